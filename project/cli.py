@@ -1,0 +1,31 @@
+"""The command line: ``python -m project fit|validate|test|predict``, a LightningCLI and nothing more."""
+
+from pathlib import Path
+
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+
+from project.callbacks import SaveConfigOnce
+from project.runs import resolve_resume
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+class CLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        super().parse_arguments(parser, args)
+        if self.config.get("subcommand"):
+            resolve_resume(self.config[self.config.subcommand])
+
+
+def cli_main(args: ArgsType = None) -> CLI:
+    # Subclass mode (no model/data class given): any LightningModule, DataModule or net is one class_path away.
+    defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
+    return CLI(
+        save_config_callback=SaveConfigOnce,
+        parser_kwargs={sub: {"default_config_files": defaults} for sub in SUBCOMMANDS},
+        args=args,
+    )
