@@ -24,9 +24,7 @@ class ResumableSampler(DistributedSampler):
     Subclassing ``DistributedSampler`` tells Lightning to leave it alone instead of wrapping it.
     """
 
-    def __init__(
-        self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool, seed: int, pad: bool
-    ) -> None:
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool, seed: int, pad: bool) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self.pad = pad
         n = len(dataset)  # type: ignore[arg-type]
@@ -49,25 +47,23 @@ class ResumableSampler(DistributedSampler):
 class ResumableDataLoader(DataLoader):
     """A DataLoader whose position in the epoch goes into Lightning checkpoints.
 
-    Lightning saves ``state_dict()`` of any train loader that has one. The count it saves is of batches the
-    training loop has consumed: Lightning's fetcher holds one batch ahead (to know which batch is last), so that
-    one is not counted. The loader's ``generator`` is re-seeded per epoch so that workers' seeds never draw from,
-    and never shift, the global RNG that dropout uses.
+    Lightning saves ``state_dict()`` of any train loader that has one. For a loader with a length, its fetcher
+    prefetches nothing, so the batches handed out are exactly the batches the training loop has consumed. The
+    loader's ``generator`` is re-seeded per epoch so that the workers' base seed never draws from, and never
+    shifts, the global RNG that dropout uses.
     """
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler), "ResumableDataLoader needs a ResumableSampler"
-        self._epoch, self._yielded, self._exhausted = sampler.epoch, sampler.skip // self.batch_size, False
+        self._epoch, self._yielded = sampler.epoch, sampler.skip // self.batch_size
         self.generator = torch.Generator().manual_seed(sampler.seed + 7919 * (sampler.epoch + 1))
         for batch in super().__iter__():
             self._yielded += 1
             yield batch
-        self._exhausted = True
 
     def state_dict(self) -> dict[str, int]:
-        held_by_fetcher = 0 if getattr(self, "_exhausted", True) else 1
-        return {"epoch": getattr(self, "_epoch", 0), "batches": getattr(self, "_yielded", 0) - held_by_fetcher}
+        return {"epoch": getattr(self, "_epoch", 0), "batches": getattr(self, "_yielded", 0)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         sampler = self.sampler

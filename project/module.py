@@ -82,7 +82,8 @@ class Classifier(L.LightningModule):
         if stage == "train":
             self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
         self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=stage != "train")
-        self.log(f"{stage}/loss_epoch" if stage == "train" else f"{stage}/loss", mean_loss, on_step=False, on_epoch=True)
+        loss_name = "train/loss_epoch" if stage == "train" else f"{stage}/loss"
+        self.log(loss_name, mean_loss, on_step=False, on_epoch=True)
         return loss
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -43,7 +43,9 @@ def resolve_resume(config: Namespace) -> None:
         rank_zero_info(f"--ckpt_path last: resuming from {found}")
         config["ckpt_path"] = ckpt_path = str(found)
     path = Path(ckpt_path).resolve()
-    if path.name.startswith("last") and path.parent.name == "checkpoints" and path.parent.parent.parent == (
-        runs_dir.resolve()
+    if (
+        path.name.startswith("last")
+        and path.parent.name == "checkpoints"
+        and path.parent.parent.parent == (runs_dir.resolve())
     ):
         logger_args["version"] = path.parent.parent.name

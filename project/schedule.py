@@ -66,7 +66,7 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
         """Change W and M (e.g. epochs converted to steps once the data is known) and apply the new rate now."""
         _check_horizon(warmup_epochs, max_epochs)
         self.warmup_epochs, self.max_epochs = warmup_epochs, max_epochs
-        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
             group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 

@@ -1,0 +1,43 @@
+# Everyday commands. `make help` lists them. Everything runs inside .venv, created on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The torch build to install. PyPI's Linux wheels carry CUDA; pin another build or index with e.g.
+# `make setup TORCH="torch --index-url https://download.pytorch.org/whl/cu126"`.
+TORCH ?= torch==2.13.0
+ARGS ?=
+
+.PHONY: help setup train test test-fast lint format tensorboard clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+setup: $(BIN)/.installed  ## create .venv with torch, the project and the dev tools
+
+train: setup  ## train the default config (extra flags: make train ARGS="--trainer.devices 4")
+	$(BIN)/python -m project fit $(ARGS)
+
+test: setup  ## run the whole test suite, multi-process tests included
+	$(BIN)/python -m pytest $(ARGS)
+
+test-fast: setup  ## skip the slow multi-process tests
+	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+
+lint: setup  ## ruff lint and format check
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: setup  ## apply ruff's fixes and formatting
+	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
+
+tensorboard: setup  ## serve runs/ on http://127.0.0.1:6006 (ssh -L 6006:127.0.0.1:6006 from your laptop)
+	$(BIN)/tensorboard --logdir runs --host 127.0.0.1 --port 6006
+
+clean:  ## remove caches and build outputs (never runs/)
+	rm -rf .pytest_cache .ruff_cache build dist *.egg-info

@@ -1,0 +1,47 @@
+"""Shared test helpers: run the real CLI in a subprocess, read what it wrote to TensorBoard."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# Small, quiet runs: the real Trainer and CLI, just fewer epochs and no progress bar in the logs.
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+DDP2 = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+
+
+def cli(*args: str, cwd: Path, timeout: float = 300, check: bool = True, env: dict | None = None):
+    """Runs ``python -m project ARGS`` in ``cwd`` (runs/ lands there) and returns the CompletedProcess."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "project", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"CLI {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar TensorBoard shows for ``run_dir``, as ``{tag: [(step, value), ...]}``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def run_dirs(cwd: Path, name: str = "digits") -> list[Path]:
+    return sorted((cwd / "runs" / name).glob("version_*"))
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path
