@@ -59,9 +59,9 @@ class CNN(nn.Module):
             block(in_channels, channels),
             nn.MaxPool2d(2),  # 8x8 -> 4x4
             block(channels, 2 * channels),
-            nn.AdaptiveAvgPool2d(1),  # (B, 2C, 1, 1)
+            nn.AdaptiveMaxPool2d(2),  # (B, 2C, 2, 2): keeps where in the image a stroke is
         )
-        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(2 * channels, num_classes))
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(8 * channels, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, num_classes)
         return self.head(self.features(x))

@@ -66,6 +66,14 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
         """Change W and M (e.g. epochs converted to steps once the data is known) and apply the new rate now."""
         _check_horizon(warmup_epochs, max_epochs)
         self.warmup_epochs, self.max_epochs = warmup_epochs, max_epochs
+        self._apply_lr()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Re-derive the rate from the restored step, whatever order the optimizer's own state was loaded in.
+        super().load_state_dict(state_dict)
+        self._apply_lr()
+
+    def _apply_lr(self) -> None:
         for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
             group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]

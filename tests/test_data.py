@@ -1,0 +1,81 @@
+"""The digits DataModule and the samplers that make DDP evaluation exact and resumes land on the same batch."""
+
+import pytest
+import torch
+
+from project.data import DigitsDataModule, ResumableDataLoader, ResumableSampler, TensorBatchDataset
+
+
+def test_split_is_deterministic_disjoint_and_complete():
+    a, b = DigitsDataModule(seed=3), DigitsDataModule(seed=3)
+    a.setup("fit")
+    b.setup("fit")
+    sizes = {k: len(v) for k, v in a.splits.items()}
+    assert sizes == {"val": int(1797 * 0.15), "test": int(1797 * 0.15), "train": 1797 - 2 * int(1797 * 0.15)}
+    for name in ("train", "val", "test"):
+        assert torch.equal(a.splits[name].tensors[0], b.splits[name].tensors[0])
+    rows = torch.cat([a.splits[n].tensors[0].flatten(1) for n in ("train", "val", "test")])
+    assert rows.shape == (1797, 64) and rows.min() >= 0 and rows.max() <= 1
+    c = DigitsDataModule(seed=4)
+    c.setup("fit")
+    assert not torch.equal(a.splits["val"].tensors[1], c.splits["val"].tensors[1])
+
+
+def test_init_has_no_side_effects_and_rejects_bad_values():
+    dm = DigitsDataModule()
+    assert dm.splits == {}
+    with pytest.raises(ValueError, match=r"batch_size \(0\) must be >= 1"):
+        DigitsDataModule(batch_size=0)
+    with pytest.raises(ValueError, match="persistent_workers=True needs num_workers > 0"):
+        DigitsDataModule(persistent_workers=True)
+    with pytest.raises(ValueError, match="val_fraction"):
+        DigitsDataModule(val_fraction=0.6, test_fraction=0.5)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [13, 17, 24])
+def test_eval_sampler_gives_every_index_to_exactly_one_rank(world, n):
+    data = TensorBatchDataset(torch.arange(n))
+    seen = [i for r in range(world) for i in ResumableSampler(data, world, r, shuffle=False, seed=0, pad=False)]
+    assert sorted(seen) == list(range(n))
+    assert sum(len(ResumableSampler(data, world, r, False, 0, False)) for r in range(world)) == n
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_train_sampler_pads_to_equal_lengths_and_shuffles_per_epoch(world):
+    data = TensorBatchDataset(torch.arange(17))
+    samplers = [ResumableSampler(data, world, r, shuffle=True, seed=5, pad=True) for r in range(world)]
+    lists = [list(s) for s in samplers]
+    assert len({len(x) for x in lists}) == 1 and set().union(*map(set, lists)) == set(range(17))
+    for s in samplers:
+        s.set_epoch(1)
+    assert [list(s) for s in samplers] != lists
+    for s in samplers:
+        s.set_epoch(0)
+    assert [list(s) for s in samplers] == lists  # a pure function of (seed, epoch)
+
+
+def test_loader_state_resumes_on_the_next_batch():
+    data = TensorBatchDataset(torch.arange(50), torch.arange(50))
+
+    def loader():
+        return ResumableDataLoader(data, sampler=ResumableSampler(data, 1, 0, True, 1, True), batch_size=8)
+
+    full = loader()
+    full.sampler.set_epoch(2)
+    expected = [x.tolist() for x, _ in full]
+    interrupted = loader()
+    interrupted.sampler.set_epoch(2)
+    it = iter(interrupted)
+    head = [next(it)[0].tolist() for _ in range(3)]
+    state = interrupted.state_dict()
+    assert state == {"epoch": 2, "batches": 3}
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert head + [x.tolist() for x, _ in resumed] == expected
+    # saved at an epoch's end: the next epoch starts from its first batch
+    done = loader()
+    done.load_state_dict({"epoch": 2, "batches": len(done)})
+    nxt = loader()
+    nxt.sampler.set_epoch(3)
+    assert [x.tolist() for x, _ in done] == [x.tolist() for x, _ in nxt]
