@@ -17,8 +17,9 @@ class CLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         super().parse_arguments(parser, args)
-        if self.config.get("subcommand"):
-            resolve_resume(self.config[self.config.subcommand])
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            resolve_resume(self.config[subcommand], continue_run=subcommand == "fit")
 
 
 def cli_main(args: ArgsType = None) -> CLI:

@@ -2,7 +2,7 @@
 
 Lightning gives every invocation a new ``version_N`` and looks for ``--ckpt_path last`` only inside it, so a
 plain resume finds nothing and silently trains from scratch. Here ``last`` means the newest ``last.ckpt`` of any
-version, and resuming from a run's ``last*.ckpt`` continues in that run's folder, so its curves go on. Resuming
+version, and ``fit`` from a run's ``last*.ckpt`` continues in that run's folder, so its curves go on. Resuming
 from any other checkpoint branches into a new version, which never overwrites the files of the run it came from.
 """
 
@@ -27,8 +27,12 @@ def find_last_checkpoint(runs_dir: Path) -> Path | None:
     return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
 
 
-def resolve_resume(config: Namespace) -> None:
-    """Rewrites ``ckpt_path`` and the logger's ``version`` in a subcommand's config (see module docstring)."""
+def resolve_resume(config: Namespace, continue_run: bool) -> None:
+    """Rewrites ``ckpt_path`` (and, when ``continue_run``, the logger's ``version``) of a subcommand's config.
+
+    Only ``fit`` continues a run's folder: ``validate``/``test``/``predict`` of a checkpoint log into a folder
+    of their own, so they never add points to the training curves.
+    """
     ckpt_path = config.get("ckpt_path")
     logger_args = _tensorboard_init_args(config["trainer"])
     if ckpt_path is None or logger_args is None:
@@ -43,9 +47,7 @@ def resolve_resume(config: Namespace) -> None:
         rank_zero_info(f"--ckpt_path last: resuming from {found}")
         config["ckpt_path"] = ckpt_path = str(found)
     path = Path(ckpt_path).resolve()
-    if (
-        path.name.startswith("last")
-        and path.parent.name == "checkpoints"
-        and path.parent.parent.parent == (runs_dir.resolve())
-    ):
-        logger_args["version"] = path.parent.parent.name
+    run_dir = path.parent.parent
+    if continue_run and path.name.startswith("last") and path.parent.name == "checkpoints":
+        if run_dir.parent == runs_dir.resolve():
+            logger_args["version"] = run_dir.name

@@ -1,0 +1,130 @@
+"""The real CLI in subprocesses: configs, every subcommand, the LR curve of a real fit, resume, export."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from project.nets import MLP
+from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
+
+TINY = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "5", "--trainer.limit_val_batches", "2"]
+TRAIN_SIZE = 1797 - 2 * int(1797 * 0.15)  # the digits' default train split
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_parses(config, monkeypatch, capsys):
+    from project.cli import cli_main
+
+    monkeypatch.setattr(sys, "argv", ["project"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["class_path"] and printed["data"]["class_path"]
+
+
+def test_each_subcommand_runs_and_reruns_never_clash(workdir):
+    cli("fit", *TINY, "--model.net", "project.nets.CNN", "--model.warmup", "1", cwd=workdir)
+    cli("fit", *TINY, "--model.warmup", "1", cwd=workdir)  # a second run: a new folder, no "config.yaml exists"
+    first, second = run_dirs(workdir)
+    ckpt = first / "checkpoints" / "last.ckpt"
+    assert yaml.safe_load((first / "config.yaml").read_text())["model"]["init_args"]["net"]["class_path"] == (
+        "project.nets.CNN"
+    )
+    assert (second / "config.yaml").is_file()
+    for sub in ("validate", "test", "predict"):
+        proc = cli(sub, *QUIET, "--model.net", "project.nets.CNN", "--ckpt_path", str(ckpt), cwd=workdir)
+        if sub != "predict":
+            assert f"{'val' if sub == 'validate' else 'test'}/acc" in proc.stdout
+    assert len(run_dirs(workdir)) == 5  # validate/test/predict each keep their own config, in their own folder
+
+
+def closed_form(t: int, b: float, w: int, m: int, ws: float) -> float:
+    if t < w:
+        return ws + t * (b - ws) / max(1, w - 1)
+    return 0.0 if t >= m else 0.5 * b * (1 + math.cos(math.pi * (t - w) / (m - w)))
+
+
+def test_lr_set_at_each_step_of_a_real_fit_is_the_formula_and_never_zero(workdir):
+    cli("fit", *QUIET, "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "1", "--model.warmup", "1",
+        "--model.lr", "0.01", cwd=workdir)  # fmt: skip
+    (run,) = run_dirs(workdir)
+    lrs = scalars(run)["lr"]
+    per_epoch = math.ceil(TRAIN_SIZE / 64)
+    assert [s for s, _ in lrs] == list(range(3 * per_epoch))
+    w, m = per_epoch, 3 * per_epoch  # warmup 1 epoch, schedule = max_epochs, both converted to steps
+    for step, lr in lrs:
+        assert lr == pytest.approx(closed_form(step, 0.01, w, m, 0.01 / w), rel=1e-6), step
+    assert min(lr for _, lr in lrs) > 0
+
+
+def test_resume_from_last_continues_the_same_run(workdir):
+    common = [
+        *QUIET,
+        "--trainer.limit_val_batches",
+        "2",
+        "--model.warmup",
+        "1",
+        "--model.max_schedule",
+        "4",
+        "--model.lr",
+        "0.01",
+    ]
+    cli("fit", *common, "--trainer.max_epochs", "2", cwd=workdir)
+    proc = cli("fit", *common, "--trainer.max_epochs", "4", "--ckpt_path", "last", cwd=workdir)
+    assert "resuming from" in proc.stdout + proc.stderr
+    (run,) = run_dirs(workdir)  # no second run folder for the same training
+    assert sorted(p.name for p in run.glob("config*.yaml")) == ["config.1.yaml", "config.yaml"]
+    per_epoch = math.ceil(TRAIN_SIZE / 64)
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 4 * per_epoch and ckpt["epoch"] == 3
+    logged = scalars(run)
+    assert [s for s, _ in logged["train/loss"]] == list(range(4 * per_epoch))  # each step once, no gap
+    assert len(logged["val/acc"]) == 4
+    for step, lr in logged["lr"]:  # the schedule went on where it stopped
+        assert lr == pytest.approx(closed_form(step, 0.01, per_epoch, 4 * per_epoch, 0.01 / per_epoch), rel=1e-6)
+
+
+def test_resume_last_without_any_run_starts_fresh_with_a_notice(workdir):
+    proc = cli("fit", *TINY, "--model.warmup", "1", "--ckpt_path", "last", cwd=workdir)
+    assert "no last*.ckpt" in proc.stdout + proc.stderr and "starting from scratch" in proc.stdout + proc.stderr
+    assert len(run_dirs(workdir)) == 1
+
+
+def test_exported_weights_load_into_the_bare_net_with_the_same_predictions(workdir):
+    cli("fit", *TINY, "--model.warmup", "1", "--model.net.hidden_sizes", "[32]", cwd=workdir)
+    (run,) = run_dirs(workdir)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    out = workdir / "export" / "epoch_2.pth"
+    subprocess_env = {"PYTHONPATH": str(REPO)}
+    import subprocess
+
+    subprocess.run([sys.executable, str(REPO / "scripts" / "export_weights.py"), str(ckpt), str(out)], check=True,
+                   env=subprocess_env, capture_output=True)  # fmt: skip
+    net_config = json.loads(out.with_suffix(".json").read_text())
+    assert net_config["class_path"] == "project.nets.MLP"
+    bare = MLP(**net_config["init_args"]).eval()
+    bare.load_state_dict(torch.load(out, weights_only=True))  # plain torch, no Lightning
+
+    from project.module import Classifier
+
+    module = Classifier(MLP(**net_config["init_args"])).eval()
+    module.load_state_dict(torch.load(ckpt, weights_only=True)["state_dict"])
+    x = torch.rand(32, 1, 8, 8)
+    assert torch.equal(bare(x), module(x))
+    with pytest.raises(subprocess.CalledProcessError):  # never overwrites an earlier export
+        subprocess.run([sys.executable, str(REPO / "scripts" / "export_weights.py"), str(ckpt), str(out)],
+                       check=True, env=subprocess_env, capture_output=True)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_default_fit_reaches_97_percent(workdir):
+    cli("fit", *QUIET, cwd=workdir)  # exactly the README's training command
+    (run,) = run_dirs(workdir)
+    assert max(v for _, v in scalars(run)["val/acc"]) >= 0.97
+    assert (run / "checkpoints" / "last.ckpt").is_file()

@@ -1,0 +1,21 @@
+"""Two CPU ranks (gloo) through the real CLI: one run folder, one event stream, checkpoints, metrics."""
+
+import pytest
+import torch
+
+from tests.conftest import DDP2, QUIET, cli, run_dirs, scalars
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_rank_fit_writes_exactly_one_run(workdir):
+    cli("fit", *QUIET, *DDP2, "--trainer.max_epochs", "2", "--model.warmup", "1", cwd=workdir, timeout=240)
+    (run,) = run_dirs(workdir)
+    assert len(list(run.glob("events.out.tfevents.*"))) == 1
+    assert sorted(p.name for p in run.glob("*.yaml")) == ["config.yaml", "hparams.yaml"]
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    per_rank_batches = -(-((1797 - 2 * 269) // 2 + 1) // 64)  # padded half of the train split, in batches of 64
+    assert ckpt["global_step"] == 2 * per_rank_batches
+    logged = scalars(run)
+    assert len(logged["val/acc"]) == 2 and 0.5 < logged["val/acc"][-1][1] <= 1
+    assert len(logged["train/loss"]) == 2 * per_rank_batches
