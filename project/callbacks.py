@@ -1,9 +1,19 @@
 """Callbacks the template adds to Lightning's own."""
 
 import os
+import random
+import signal
+import threading
+from typing import Any
 
 import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 class SaveConfigOnce(SaveConfigCallback):
@@ -25,3 +35,115 @@ class SaveConfigOnce(SaveConfigCallback):
                 name = f"config.{n}.yaml"
         self.config_filename = trainer.strategy.broadcast(name)
         super().setup(trainer, pl_module, stage)
+
+
+class ExactResume(Callback):
+    """Puts in each checkpoint what Lightning leaves out and a bit-exact resume needs.
+
+    - Every rank's torch, CUDA, numpy and Python RNG states, restored on resume.
+    - The loggers' buffers are flushed, so no point logged before the checkpoint is lost if the process is
+      killed right after it (the resumed run's ``purge_step`` drops those logged after it).
+
+    Lightning checkpoints hold no RNG state, so dropout masks (and anything else drawn from the global
+    generators) differ after a resume. ``state_dict`` runs on every rank while a checkpoint is assembled, so the
+    states are gathered there; rank 0 writes them all. They are set again in ``on_train_start``: after model
+    init, the sanity check and the data setup (which all draw or may draw), right before the first batch.
+    """
+
+    def __init__(self) -> None:
+        self._trainer: L.Trainer | None = None
+        self._to_restore: list[dict[str, torch.Tensor]] | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        for logger in trainer.loggers:
+            logger.save()
+            if hasattr(logger.experiment, "flush"):
+                logger.experiment.flush()
+
+    def state_dict(self) -> dict[str, Any]:
+        mine = _rng_tensors()
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return {"ranks": [mine]}
+        device = trainer.strategy.root_device  # NCCL gathers only device tensors
+        gathered = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}
+        return {"ranks": [{k: v[r] for k, v in gathered.items()} for r in range(trainer.world_size)]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._to_restore = state_dict["ranks"]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        ranks, self._to_restore = self._to_restore, None
+        if ranks is None:
+            return
+        if len(ranks) != trainer.world_size:
+            rank_zero_warn(
+                f"The checkpoint holds RNG states of {len(ranks)} ranks, this run has {trainer.world_size}: "
+                "random draws (dropout, augmentation) will differ from the original run from here on."
+            )
+            return
+        _set_rng_tensors(ranks[trainer.global_rank])
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    """The global RNG states as tensors (a ``weights_only`` checkpoint may hold nothing else safely)."""
+    version, py_state, gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    states = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor([version, *py_state], dtype=torch.int64),
+        "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.tensor(np_keys.astype(np.int64)),
+        "numpy_rest": torch.tensor([np_pos, np_has_gauss, np_gauss], dtype=torch.float64),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_tensors(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["torch"].cpu())
+    python = states["python"].tolist()
+    has_gauss, gauss = states["python_gauss"].tolist()
+    random.setstate((python[0], tuple(python[1:]), gauss if has_gauss else None))
+    pos, np_has_gauss, np_gauss = states["numpy_rest"].tolist()
+    np.random.set_state(("MT19937", states["numpy"].numpy().astype(np.uint32), int(pos), int(np_has_gauss), np_gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"].cpu())
+
+
+# Exit code of a run stopped by SIGTERM (or SIGUSR1 outside SLURM) after saving last.ckpt: 128 + SIGTERM, as
+# a shell reports a process killed by SIGTERM, so launchers (torchrun, SLURM, CI) see a failure and can restart.
+PREEMPTED_EXIT_CODE = 143
+
+
+class Preemption(Callback):
+    """Turns a preemption signal into a saved ``last.ckpt`` and a non-zero exit.
+
+    Lightning already catches SIGTERM and stops every rank at the same batch by raising ``SIGTERMException``,
+    but the process then exits 0 (Lightning issue #21623), so a launcher takes a killed run for a finished one.
+    Outside SLURM, SIGUSR1 is routed to the same path; under SLURM it stays Lightning's (checkpoint + requeue).
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not SLURMEnvironment.detect() and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException):
+            return
+        path = _last_checkpoint_path(trainer)
+        if path is not None:
+            trainer.save_checkpoint(path)  # every rank takes part (RNG states are gathered); rank 0 writes
+            rank_zero_info(f"Preempted: saved {path}; resume with --ckpt_path last. Exit code {PREEMPTED_EXIT_CODE}.")
+        exception.code = PREEMPTED_EXIT_CODE  # SIGTERMException is a SystemExit: this becomes the exit status
+
+
+def _last_checkpoint_path(trainer: L.Trainer) -> str | None:
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
+            return os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+    return None

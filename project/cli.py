@@ -4,8 +4,8 @@ from pathlib import Path
 
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from project.callbacks import SaveConfigOnce
-from project.runs import resolve_resume
+from project.callbacks import Preemption, ExactResume, SaveConfigOnce
+from project.runs import ResumeError, resolve_resume
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -19,7 +19,10 @@ class CLI(LightningCLI):
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         if subcommand:
-            resolve_resume(self.config[subcommand], continue_run=subcommand == "fit")
+            try:
+                resolve_resume(self.config[subcommand], continue_run=subcommand == "fit")
+            except ResumeError as error:
+                parser.error(str(error))  # a one-paragraph message and exit code 2, not a traceback
 
 
 def cli_main(args: ArgsType = None) -> CLI:
@@ -27,6 +30,9 @@ def cli_main(args: ArgsType = None) -> CLI:
     defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
     return CLI(
         save_config_callback=SaveConfigOnce,
+        # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run
+        # looks finished.
+        trainer_defaults={"callbacks": [ExactResume(), Preemption()]},
         parser_kwargs={sub: {"default_config_files": defaults} for sub in SUBCOMMANDS},
         args=args,
     )

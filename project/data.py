@@ -104,8 +104,11 @@ def make_loader(
     sampler = ResumableSampler(dataset, world, rank, shuffle=train, seed=seed, pad=train)
     if collate_fn is None and isinstance(dataset, TensorBatchDataset):
         collate_fn = _batch_as_is
-    loader_class = ResumableDataLoader if train else DataLoader
-    return loader_class(dataset, sampler=sampler, collate_fn=collate_fn, **kwargs)
+    if train:
+        return ResumableDataLoader(dataset, sampler=sampler, collate_fn=collate_fn, **kwargs)
+    # A generator of its own: creating an eval iterator must not draw from the global RNG that training uses.
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, sampler=sampler, collate_fn=collate_fn, generator=generator, **kwargs)
 
 
 class DigitsDataModule(L.LightningDataModule):

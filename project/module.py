@@ -66,6 +66,9 @@ class Classifier(L.LightningModule):
             metrics[f"{stage}_acc"] = MulticlassAccuracy(num_classes, average="micro")
             metrics[f"{stage}_loss"] = MeanMetric()
         self.metrics = nn.ModuleDict(metrics)
+        for name in ("train_acc", "train_loss"):
+            # in the checkpoint, so an epoch's train metrics survive a mid-epoch resume
+            self.metrics[name].persistent(True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -85,6 +88,12 @@ class Classifier(L.LightningModule):
         loss_name = "train/loss_epoch" if stage == "train" else f"{stage}/loss"
         self.log(loss_name, mean_loss, on_step=False, on_epoch=True)
         return loss
+
+    def on_train_epoch_start(self) -> None:
+        # A no-op in a straight run (Lightning resets logged metrics at epoch end), but a checkpoint taken after
+        # validation, before that reset, would otherwise carry the finished epoch into the next after a resume.
+        self.metrics["train_acc"].reset()
+        self.metrics["train_loss"].reset()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self._shared_step(batch, "train")

@@ -1,15 +1,21 @@
 """Where runs live: ``<save_dir>/<name>/version_N/`` holds a run's events, ``config.yaml`` and ``checkpoints/``.
 
 Lightning gives every invocation a new ``version_N`` and looks for ``--ckpt_path last`` only inside it, so a
-plain resume finds nothing and silently trains from scratch. Here ``last`` means the newest ``last.ckpt`` of any
-version, and ``fit`` from a run's ``last*.ckpt`` continues in that run's folder, so its curves go on. Resuming
+plain resume finds nothing and silently trains from scratch. Here ``last`` means the newest loadable checkpoint
+of any version, and ``fit`` from it (or from a run's ``last*.ckpt``) continues in that run's folder, so its
+curves go on; TensorBoard drops what the interrupted run logged after the checkpoint (``purge_step``). ``fit``
 from any other checkpoint branches into a new version, which never overwrites the files of the run it came from.
 """
 
 from pathlib import Path
 
+import torch
 from jsonargparse import Namespace
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+
+class ResumeError(ValueError):
+    """A ``--ckpt_path`` that cannot be resumed from; the message names the file and what to do."""
 
 
 def _tensorboard_init_args(trainer_config: Namespace) -> Namespace | None:
@@ -21,10 +27,28 @@ def _tensorboard_init_args(trainer_config: Namespace) -> Namespace | None:
     return logger.init_args
 
 
-def find_last_checkpoint(runs_dir: Path) -> Path | None:
-    """The most recently written ``last*.ckpt`` under ``runs_dir/*/checkpoints/``."""
-    candidates = [p for p in runs_dir.glob("*/checkpoints/last*.ckpt") if p.is_file()]
-    return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
+def read_global_step(path: Path) -> int:
+    """Opens a checkpoint without unpickling code or reading its tensors; raises ``ResumeError`` if unreadable."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return int(ckpt["global_step"])
+    except Exception as error:
+        raise ResumeError(f"{path} is not a readable checkpoint ({type(error).__name__}: {error})") from None
+
+
+def _checkpoints_newest_first(runs_dir: Path) -> list[Path]:
+    files = [p for p in runs_dir.glob("*/checkpoints/*.ckpt") if p.is_file()]
+    return sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def find_last_checkpoint(runs_dir: Path) -> tuple[Path, int] | None:
+    """The most recently written checkpoint under ``runs_dir/*/checkpoints/`` that loads, and its global step."""
+    for path in _checkpoints_newest_first(runs_dir):
+        try:
+            return path, read_global_step(path)
+        except ResumeError as error:
+            rank_zero_warn(f"Skipping {error}")
+    return None
 
 
 def resolve_resume(config: Namespace, continue_run: bool) -> None:
@@ -34,20 +58,32 @@ def resolve_resume(config: Namespace, continue_run: bool) -> None:
     of their own, so they never add points to the training curves.
     """
     ckpt_path = config.get("ckpt_path")
-    logger_args = _tensorboard_init_args(config["trainer"])
-    if ckpt_path is None or logger_args is None:
+    if ckpt_path is None or ckpt_path in ("best", "hpc", "registry"):
         return
-    runs_dir = Path(logger_args["save_dir"]) / (logger_args.get("name") or "lightning_logs")
+    logger_args = _tensorboard_init_args(config["trainer"])
+    runs_dir = Path(logger_args["save_dir"]) / (logger_args.get("name") or "lightning_logs") if logger_args else None
     if ckpt_path == "last":
-        found = find_last_checkpoint(runs_dir)
+        found = find_last_checkpoint(runs_dir) if runs_dir is not None else None
         if found is None:
-            rank_zero_info(f"--ckpt_path last: no last*.ckpt under {runs_dir}/*/checkpoints/; starting from scratch.")
+            rank_zero_info(f"--ckpt_path last: no checkpoint under {runs_dir}/*/checkpoints/; starting from scratch.")
             config["ckpt_path"] = None
             return
-        rank_zero_info(f"--ckpt_path last: resuming from {found}")
-        config["ckpt_path"] = ckpt_path = str(found)
-    path = Path(ckpt_path).resolve()
-    run_dir = path.parent.parent
-    if continue_run and path.name.startswith("last") and path.parent.name == "checkpoints":
-        if run_dir.parent == runs_dir.resolve():
-            logger_args["version"] = run_dir.name
+        path, global_step = found
+        rank_zero_info(f"--ckpt_path last: resuming from {path} (global step {global_step})")
+        config["ckpt_path"] = str(path)
+        continues = True
+    else:
+        path = Path(ckpt_path)
+        if not path.is_file():
+            raise ResumeError(f"--ckpt_path {ckpt_path}: no such file. Give an existing .ckpt, or 'last'.")
+        try:
+            global_step = read_global_step(path)
+        except ResumeError as error:
+            good = [p for p in _checkpoints_newest_first(path.parent) if p != path]
+            hint = f" The newest other checkpoint beside it is {good[0]}." if good else ""
+            raise ResumeError(f"{error}.{hint} Resume from another file, or from 'last'.") from None
+        continues = path.name.startswith("last")
+    run_dir = path.resolve().parent.parent
+    if continue_run and continues and runs_dir is not None and run_dir.parent == runs_dir.resolve():
+        logger_args["version"] = run_dir.name
+        logger_args["purge_step"] = global_step  # steps >= this one were logged by the interrupted run

@@ -1,0 +1,31 @@
+"""Faults injected by tests into real runs (via ``--trainer.callbacks+=tests.faults.KillAt``), never by product code."""
+
+import os
+import signal
+from pathlib import Path
+
+import lightning as L
+
+
+class KillAt(L.Callback):
+    """Kills the process when optimizer step ``step`` is about to run, as a crash or a ``kill -9`` would.
+
+    Args:
+        step: Global step at which to die (before the batch runs; checkpoints of earlier steps are on disk).
+        sig: Signal to send to itself (9 = SIGKILL: no handler, no cleanup, unflushed logs lost).
+        rank: Only this global rank dies (None: every rank).
+        once_marker: If given, die only when this file does not exist yet, and create it: a restarted run
+            (torchrun --max-restarts) then goes through.
+    """
+
+    def __init__(self, step: int, sig: int = 9, rank: int | None = None, once_marker: str | None = None) -> None:
+        self.step, self.sig, self.rank, self.once_marker = step, sig, rank, once_marker
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
+        if trainer.global_step != self.step or self.rank not in (None, trainer.global_rank):
+            return
+        if self.once_marker is not None:
+            if Path(self.once_marker).exists():
+                return
+            Path(self.once_marker).touch()
+        os.kill(os.getpid(), signal.Signals(self.sig))

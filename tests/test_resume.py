@@ -1,0 +1,113 @@
+"""Killed and resumed runs end bit-for-bit where uninterrupted runs end (weights, per-step loss and LR)."""
+
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import DDP2, QUIET, REPO, cli, run_dirs, scalars
+
+pytestmark = pytest.mark.slow
+
+# 3 epochs of 20 steps; last.ckpt at every epoch end and every 50 steps (the default config's two writers).
+BASE = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "3", "--model.warmup", "1"]
+# 2 ranks x batch 48: 14 steps per epoch, so step 50 is mid-epoch (epoch 3, batch 8).
+DDP = [*QUIET, *DDP2, "--trainer.max_epochs", "4", "--trainer.limit_val_batches", "3", "--model.warmup", "1",
+       "--data.batch_size", "48"]  # fmt: skip
+
+
+def kill_at(step: int, sig: int = 9) -> list[str]:
+    return [
+        "--trainer.callbacks+=tests.faults.KillAt",
+        f"--trainer.callbacks.step={step}",
+        f"--trainer.callbacks.sig={sig}",
+    ]
+
+
+def final_state(cwd):
+    (run,) = run_dirs(cwd)
+    return run, torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+def assert_same_run(reference_dir, resumed_dir):
+    ref_run, ref = final_state(reference_dir)
+    run, got = final_state(resumed_dir)
+    assert got["global_step"] == ref["global_step"]
+    weights = {k: v for k, v in ref["state_dict"].items() if k.startswith("net.")}
+    diffs = {k: (got["state_dict"][k] - v).abs().max().item() for k, v in weights.items()}
+    assert all(torch.equal(got["state_dict"][k], v) for k, v in weights.items()), f"max |dw|: {diffs}"
+    ref_logged, logged = scalars(ref_run), scalars(run)
+    for tag in ("train/loss", "lr", "val/acc", "val/loss", "train/acc", "train/loss_epoch"):
+        assert logged[tag] == ref_logged[tag], tag  # same steps, same float values
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    cli("fit", *BASE, cwd=cwd)
+    return cwd
+
+
+def interrupted_then_resumed(cwd, args, step, sig=9):
+    proc = cli("fit", *args, *kill_at(step, sig), cwd=cwd, check=False)
+    assert proc.returncode == -sig, proc.stderr[-2000:]
+    cli("fit", *args, "--ckpt_path", "last", cwd=cwd)
+
+
+def test_resume_from_epoch_end_checkpoint_is_exact(uninterrupted, tmp_path):
+    interrupted_then_resumed(tmp_path, BASE, step=45)  # last.ckpt is the end of epoch 2 (step 40)
+    assert_same_run(uninterrupted, tmp_path)
+
+
+def test_resume_from_mid_epoch_checkpoint_is_exact(uninterrupted, tmp_path):
+    interrupted_then_resumed(tmp_path, BASE, step=55)  # last.ckpt is step 50, batch 10 of epoch 3
+    assert_same_run(uninterrupted, tmp_path)
+
+
+def test_resume_with_loader_workers_is_exact(uninterrupted, tmp_path):
+    workers = [*BASE, "--data.num_workers", "2", "--data.persistent_workers", "true"]
+    interrupted_then_resumed(tmp_path, workers, step=55)
+    assert_same_run(uninterrupted, tmp_path)  # workers change nothing: the reference ran without them
+
+
+def test_resume_at_a_random_step_is_exact(uninterrupted, tmp_path):
+    step = random.Random().randint(21, 59)
+    interrupted_then_resumed(tmp_path, BASE, step=step)
+    assert_same_run(uninterrupted, tmp_path)
+
+
+def test_two_rank_ddp_resume_mid_epoch_is_exact(tmp_path):
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir()
+    resumed.mkdir()
+    cli("fit", *DDP, cwd=reference)
+    interrupted_then_resumed(resumed, DDP, step=53)
+    assert_same_run(reference, resumed)
+
+
+def test_sigterm_saves_last_and_exits_143_and_the_resume_is_exact(uninterrupted, tmp_path):
+    proc = cli("fit", *BASE, *kill_at(33, signal.SIGTERM), cwd=tmp_path, check=False)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    (run,) = run_dirs(tmp_path)
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 33
+    cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
+    assert_same_run(uninterrupted, tmp_path)
+
+
+def test_truncated_checkpoint_names_the_file_and_last_picks_a_good_one(uninterrupted, tmp_path):
+    proc = cli("fit", *BASE, *kill_at(45), cwd=tmp_path, check=False)
+    (run,) = run_dirs(tmp_path)
+    last = run / "checkpoints" / "last.ckpt"
+    data = last.read_bytes()
+    last.write_bytes(data[: random.Random().randint(1, len(data) - 1)])
+    proc = cli("fit", *BASE, "--ckpt_path", str(last), cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert f"{last} is not a readable checkpoint" in proc.stderr and "newest other checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
+    assert "Skipping" in proc.stderr and "global step 40" in proc.stdout + proc.stderr
+    assert_same_run(uninterrupted, tmp_path)  # the epoch-2 checkpoints beside it hold the same state
