@@ -1,0 +1,57 @@
+"""The line a finished run ends with: best score, best checkpoint, run folder; and the same score in HParams."""
+
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+
+
+class RunSummary(L.Callback):
+    """At the end of ``fit``, rank 0 prints one line, e.g.
+    ``Run summary: best val/acc 0.9630 | best checkpoint runs/digits/version_0/checkpoints/best-....ckpt |
+    run folder runs/digits/version_0``.
+
+    The score and path come from the first ``ModelCheckpoint`` with a ``monitor``, so they are the ones that
+    callback kept (restored with it on resume). A ``TensorBoardLogger`` also gets the score with the run's
+    hyperparameters, as ``best/<monitor>``: TensorBoard's HParams view lists only runs whose hyperparameters came
+    with a metric, and Lightning's own call passes none under ``default_hp_metric: false``. A tag of its own
+    keeps the ``val/acc`` curve free of an extra point. Nothing is printed or logged when ``fit`` is interrupted.
+    """
+
+    def __init__(self) -> None:
+        self.line: str | None = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Here rather than in on_fit_end: loggers are still open, and trainer.log_dir (a broadcast, so every rank
+        # calls it) still has its process group.
+        run_dir = trainer.log_dir
+        checkpoint = next((cb for cb in trainer.checkpoint_callbacks if getattr(cb, "monitor", None)), None)
+        if not isinstance(checkpoint, ModelCheckpoint):
+            self.line = f"Run summary: no ModelCheckpoint monitors a metric | run folder {run_dir}"
+            return
+        score = checkpoint.best_model_score
+        best = "n/a (never validated)" if score is None else f"{score.item():.4f}"
+        self.line = (
+            f"Run summary: best {checkpoint.monitor} {best} | best checkpoint {checkpoint.best_model_path or 'none'}"
+            f" | run folder {run_dir}"
+        )
+        if score is None:
+            return
+        for logger in trainer.loggers:  # only TensorBoard's takes metrics; the call is rank-zero-only
+            if isinstance(logger, TensorBoardLogger):
+                metrics = {f"best/{checkpoint.monitor}": score.item()}
+                logger.log_hyperparams(_run_hparams(trainer, pl_module), metrics, step=trainer.global_step)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After the progress bar is closed, so the line is the run's last and stands on its own.
+        if trainer.is_global_zero and self.line is not None:
+            print(self.line, flush=True)
+
+
+def _run_hparams(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """The hyperparameters Lightning logs on its own: the module's and the data module's, minus CLI bookkeeping."""
+    hparams = dict(pl_module.hparams_initial)
+    if trainer.datamodule is not None:
+        hparams.update(trainer.datamodule.hparams_initial)
+    return {k: v for k, v in hparams.items() if k not in ("_class_path", "_instantiator")}
