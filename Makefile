@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: help setup train test test-fast lint format tensorboard clean
+.PHONY: help setup train test test-fast lint format tensorboard plot clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -38,6 +38,10 @@ format: setup  ## apply ruff's fixes and formatting
 
 tensorboard: setup  ## serve runs/ on http://127.0.0.1:6006 (ssh -L 6006:127.0.0.1:6006 from your laptop)
 	$(BIN)/tensorboard --logdir runs --host 127.0.0.1 --port 6006
+
+plot: setup  ## PNG of a run's curves: make plot RUN=runs/digits/version_0 (adds matplotlib on first use)
+	$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install --quiet -e ".[plot]"
+	$(BIN)/python scripts/plot_run.py $(RUN)
 
 clean:  ## remove caches and build outputs (never runs/)
 	rm -rf .pytest_cache .ruff_cache build dist *.egg-info
