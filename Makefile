@@ -15,7 +15,7 @@ help:  ## list the targets
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 

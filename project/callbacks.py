@@ -70,7 +70,8 @@ class ExactResume(Callback):
             return {"ranks": [mine]}
         device = trainer.strategy.root_device  # NCCL gathers only device tensors
         gathered = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}
-        return {"ranks": [{k: v[r] for k, v in gathered.items()} for r in range(trainer.world_size)]}
+        # clone: a view would be saved with (and set_rng_state would read from) the start of the whole storage
+        return {"ranks": [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._to_restore = state_dict["ranks"]
@@ -105,14 +106,14 @@ def _rng_tensors() -> dict[str, torch.Tensor]:
 
 
 def _set_rng_tensors(states: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(states["torch"].cpu())
+    torch.set_rng_state(states["torch"].cpu().clone())
     python = states["python"].tolist()
     has_gauss, gauss = states["python_gauss"].tolist()
     random.setstate((python[0], tuple(python[1:]), gauss if has_gauss else None))
     pos, np_has_gauss, np_gauss = states["numpy_rest"].tolist()
     np.random.set_state(("MT19937", states["numpy"].numpy().astype(np.uint32), int(pos), int(np_has_gauss), np_gauss))
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"].cpu())
+        torch.cuda.set_rng_state(states["cuda"].cpu().clone())
 
 
 # Exit code of a run stopped by SIGTERM (or SIGUSR1 outside SLURM) after saving last.ckpt: 128 + SIGTERM, as

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from project.callbacks import Preemption, ExactResume, SaveConfigOnce
+from project.callbacks import ExactResume, Preemption, SaveConfigOnce
 from project.runs import ResumeError, resolve_resume
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"

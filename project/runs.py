@@ -36,8 +36,8 @@ def read_global_step(path: Path) -> int:
         raise ResumeError(f"{path} is not a readable checkpoint ({type(error).__name__}: {error})") from None
 
 
-def _checkpoints_newest_first(runs_dir: Path) -> list[Path]:
-    files = [p for p in runs_dir.glob("*/checkpoints/*.ckpt") if p.is_file()]
+def _checkpoints_newest_first(folder: Path, pattern: str = "*/checkpoints/*.ckpt") -> list[Path]:
+    files = [p for p in folder.glob(pattern) if p.is_file()]
     return sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
@@ -79,7 +79,7 @@ def resolve_resume(config: Namespace, continue_run: bool) -> None:
         try:
             global_step = read_global_step(path)
         except ResumeError as error:
-            good = [p for p in _checkpoints_newest_first(path.parent) if p != path]
+            good = [p for p in _checkpoints_newest_first(path.parent, "*.ckpt") if p != path]
             hint = f" The newest other checkpoint beside it is {good[0]}." if good else ""
             raise ResumeError(f"{error}.{hint} Resume from another file, or from 'last'.") from None
         continues = path.name.startswith("last")

@@ -3,14 +3,9 @@
 import re
 from pathlib import Path
 
-from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
+from tests.conftest import QUIET, cli, run_dirs, scalars
 
-# RunSummary belongs in configs/default.yaml's callbacks; until it is there, tests add it on the command line.
-SUMMARY = (
-    []
-    if "project.summary.RunSummary" in (REPO / "configs" / "default.yaml").read_text()
-    else ["--trainer.callbacks+=project.summary.RunSummary"]
-)
+SUMMARY: list[str] = []  # RunSummary is in configs/default.yaml's callbacks; a config without it adds it here
 TINY = ["--trainer.max_epochs", "3", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2"]
 LINE = re.compile(r"^Run summary: best val/acc (\S+) \| best checkpoint (\S+) \| run folder (\S+)$")
 
