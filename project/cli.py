@@ -4,7 +4,7 @@ from pathlib import Path
 
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from project.callbacks import ExactResume, Preemption, SaveConfigOnce
+from project.callbacks import DestroyProcessGroup, ExactResume, Preemption, SaveConfigOnce
 from project.runs import ResumeError, resolve_resume
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -32,7 +32,7 @@ def cli_main(args: ArgsType = None) -> CLI:
         save_config_callback=SaveConfigOnce,
         # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run
         # looks finished.
-        trainer_defaults={"callbacks": [ExactResume(), Preemption()]},
+        trainer_defaults={"callbacks": [ExactResume(), Preemption(), DestroyProcessGroup()]},
         parser_kwargs={sub: {"default_config_files": defaults} for sub in SUBCOMMANDS},
         args=args,
     )

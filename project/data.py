@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 
 class ResumableSampler(DistributedSampler):
@@ -99,11 +99,20 @@ def _batch_as_is(batch: Any) -> Any:  # module level, so that worker processes c
 def make_loader(
     dataset: Dataset, trainer: "L.Trainer | None", train: bool, seed: int, collate_fn: Any = None, **kwargs: Any
 ) -> DataLoader:
-    """A loader over this rank's share of ``dataset``: shuffled, padded and resumable when ``train``."""
-    world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-    sampler = ResumableSampler(dataset, world, rank, shuffle=train, seed=seed, pad=train)
+    """A loader over this rank's share of ``dataset``: shuffled, padded and resumable when ``train``.
+
+    Evaluation loaders give each sample to exactly one rank; if the LightningModule sets
+    ``evaluates_on_rank_zero``, rank 0 gets the whole set and the others one placeholder sample, which the module
+    skips (with no batch at all, Lightning would skip their epoch-end hooks, where they receive rank 0's result).
+    """
     if collate_fn is None and isinstance(dataset, TensorBatchDataset):
         collate_fn = _batch_as_is
+    world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+    if not train and world > 1 and getattr(trainer.lightning_module, "evaluates_on_rank_zero", False):
+        if rank != 0:
+            dataset = Subset(dataset, [0])
+        world, rank = 1, 0
+    sampler = ResumableSampler(dataset, world, rank, shuffle=train, seed=seed, pad=train)
     if train:
         return ResumableDataLoader(dataset, sampler=sampler, collate_fn=collate_fn, **kwargs)
     # A generator of its own: creating an eval iterator must not draw from the global RNG that training uses.

@@ -5,6 +5,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -31,6 +32,13 @@ class Classifier(L.LightningModule):
         warmup_start_lr: Rate of the first warmup step. ``None``: one warmup increment (``lr / warmup``), so no
             step ever runs at rate 0.
         eta_min: Final rate of the cosine decay.
+        validation: ``distributed``: every rank evaluates its share of the validation/test set (no sample
+            twice, see ``project.data.make_loader``) and torchmetrics reduces over all samples, which equals the
+            single-process result. ``rank_zero``: rank 0 evaluates the whole set alone, the blog's way, for
+            outputs that cannot be merged; the others wait and receive its numbers, so checkpointing and early
+            stopping decide alike on every rank. (With ``rank_zero`` a net with buffers, e.g. BatchNorm, needs
+            DDP's ``broadcast_buffers: false``: DDP would otherwise broadcast them in rank 0's forward alone.)
+        sample_images: Validation images shown in TensorBoard with their predictions each epoch (0: none).
     """
 
     def __init__(
@@ -45,6 +53,8 @@ class Classifier(L.LightningModule):
         interval: Literal["step", "epoch"] = "step",
         warmup_start_lr: float | None = None,
         eta_min: float = 0.0,
+        validation: Literal["distributed", "rank_zero"] = "distributed",
+        sample_images: int = 16,
     ) -> None:
         super().__init__()
         if lr <= 0:
@@ -59,13 +69,20 @@ class Classifier(L.LightningModule):
             raise ValueError("interval='epoch' steps the schedule once per epoch: give it schedule_unit='epoch'")
         if num_classes < 2:
             raise ValueError(f"num_classes ({num_classes}) must be >= 2")
-        self.save_hyperparameters(ignore=["net"])
+        # Not saved: the net is saved as weights; how to evaluate is a choice of each run, and LightningCLI would
+        # let a checkpoint's saved value override the command line (`validate --model.validation rank_zero`).
+        self.save_hyperparameters(ignore=["net", "validation", "sample_images"])
+        self.sample_images = sample_images
         self.net = net
+        # Read by make_loader: rank 0 gets the whole eval set, the others a placeholder (see _waits).
+        self.evaluates_on_rank_zero = validation == "rank_zero"
         metrics: dict[str, nn.Module] = {}
         for stage in STAGES:
-            metrics[f"{stage}_acc"] = MulticlassAccuracy(num_classes, average="micro")
-            metrics[f"{stage}_loss"] = MeanMetric()
+            sync = stage == "train" or not self.evaluates_on_rank_zero  # rank 0 alone must not wait for the others
+            metrics[f"{stage}_acc"] = MulticlassAccuracy(num_classes, average="micro", sync_on_compute=sync)
+            metrics[f"{stage}_loss"] = MeanMetric(sync_on_compute=sync)
         self.metrics = nn.ModuleDict(metrics)
+        self._samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         for name in ("train_acc", "train_loss"):
             # in the checkpoint, so an epoch's train metrics survive a mid-epoch resume
             self.metrics[name].persistent(True)
@@ -84,10 +101,52 @@ class Classifier(L.LightningModule):
         # DDP); the per-step train loss is this rank's own, which is what the curve needs.
         if stage == "train":
             self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        elif self.evaluates_on_rank_zero:
+            return loss  # logged once rank 0 is done, in _log_rank_zero_result
         self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=stage != "train")
         loss_name = "train/loss_epoch" if stage == "train" else f"{stage}/loss"
         self.log(loss_name, mean_loss, on_step=False, on_epoch=True)
         return loss
+
+    def _log_rank_zero_result(self, stage: str) -> None:
+        acc, mean_loss = self.metrics[f"{stage}_acc"], self.metrics[f"{stage}_loss"]
+        if self.trainer.is_global_zero:
+            result = torch.stack([acc.compute(), mean_loss.compute()]).float()
+        else:
+            result = torch.zeros(2, device=self.device)
+        # the others reach this broadcast at once and wait here, running no collective while rank 0 evaluates
+        result = self.trainer.strategy.broadcast(result, src=0)
+        self.log(f"{stage}/acc", result[0], prog_bar=True)
+        self.log(f"{stage}/loss", result[1])
+        acc.reset()
+        mean_loss.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        if self.evaluates_on_rank_zero:
+            self._log_rank_zero_result("val")
+        self._log_sample_predictions()
+
+    def on_test_epoch_end(self) -> None:
+        if self.evaluates_on_rank_zero:
+            self._log_rank_zero_result("test")
+
+    @rank_zero_only
+    def _log_sample_predictions(self) -> None:
+        """Rank 0 alone shows a few validation images and their predicted labels in TensorBoard.
+
+        The place for anything that only one process should produce: images, generated samples, tables.
+        """
+        writer = getattr(self.logger, "experiment", None)
+        if self.sample_images == 0 or self._samples is None or not hasattr(writer, "add_images"):
+            return
+        x, y, pred = self._samples
+        images = x if x.dim() == 4 else x.reshape(len(x), 1, 1, -1)  # (N, C, H, W) for TensorBoard
+        writer.add_images("val/samples", images.float().clamp(0, 1), self.global_step)
+        rows = [f"| {i} | {t} | {p} |" for i, (t, p) in enumerate(zip(y.tolist(), pred.tolist(), strict=True))]
+        writer.add_text(
+            "val/predictions", "| # | label | predicted |\n|---|---|---|\n" + "\n".join(rows), self.global_step
+        )
+        self._samples = None
 
     def on_train_epoch_start(self) -> None:
         # A no-op in a straight run (Lightning resets logged metrics at epoch end), but a checkpoint taken after
@@ -98,11 +157,23 @@ class Classifier(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self._shared_step(batch, "train")
 
+    def _waits(self) -> bool:
+        """Rank-zero mode, other ranks: their loader holds one placeholder sample, only so that Lightning runs
+        their epoch-end hooks, where they receive rank 0's result. They compute nothing."""
+        return self.evaluates_on_rank_zero and not self.trainer.is_global_zero
+
     def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self._waits():
+            return
         self._shared_step(batch, "val")
+        if batch_idx == 0 and self.trainer.is_global_zero and self.sample_images:
+            x, y = batch
+            n = self.sample_images
+            self._samples = (x[:n].cpu(), y[:n].cpu(), self(x[:n]).argmax(-1).cpu())
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
-        self._shared_step(batch, "test")
+        if not self._waits():
+            self._shared_step(batch, "test")
 
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch

@@ -1,4 +1,4 @@
-"""Faults injected by tests into real runs (via ``--trainer.callbacks+=tests.faults.KillAt``), never by product code."""
+"""Faults and probes that tests inject into real runs (`--trainer.callbacks+=tests.faults.KillAt`), not product code."""
 
 import os
 import signal
@@ -29,3 +29,27 @@ class KillAt(L.Callback):
                 return
             Path(self.once_marker).touch()
         os.kill(os.getpid(), signal.Signals(self.sig))
+
+
+class CountEvalSamples(L.Callback):
+    """Test probe: each rank writes how many validation/test samples it evaluated to ``out_dir/rank{R}.txt``.
+
+    Read from the module's loss metric (its summed weights), before the module resets it at epoch end.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir, self.count = Path(out_dir), 0
+
+    def _add(self, pl_module: L.LightningModule, stage: str) -> None:
+        self.count += int(pl_module.metrics[f"{stage}_loss"].weight)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._add(pl_module, "val")
+
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._add(pl_module, "test")
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"rank{trainer.global_rank}.txt").write_text(str(self.count))
