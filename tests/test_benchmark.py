@@ -25,8 +25,7 @@ def test_benchmark_runs_both_sides_on_the_same_steps():
     assert proc.returncode == 0, f"benchmark exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     hand, template = summary["hand"], summary["template"]
-    steps_per_epoch = hand["steps"] // 2
-    assert hand["steps"] == template["steps"] == 2 * steps_per_epoch > 0
+    assert hand["steps"] == template["steps"] > 0
     assert summary["same_steps"] and summary["same_losses"] and summary["same_threads"]
     assert summary["max_loss_abs_diff"] <= 1e-4
     # Both sides checkpointed: the blog every 2 epochs, the template per its config (best k, last, every 2).
