@@ -24,6 +24,14 @@ class CLI(LightningCLI):
             except ResumeError as error:
                 parser.error(str(error))  # a one-paragraph message and exit code 2, not a traceback
 
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:  # e.g. "lr (-0.1) must be > 0" from a constructor, under jsonargparse's wrapping
+            while error.__cause__ is not None:
+                error = error.__cause__
+            self.parser.error(str(error))
+
 
 def cli_main(args: ArgsType = None) -> CLI:
     # Subclass mode (no model/data class given): any LightningModule, DataModule or net is one class_path away.

@@ -127,3 +127,14 @@ def test_default_fit_reaches_97_percent(workdir):
     (run,) = run_dirs(workdir)
     assert max(v for _, v in scalars(run)["val/acc"]) >= 0.97
     assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [(["--model.lr", "-0.1"], "lr (-0.1) must be > 0"), (["--data.batch_size", "0"], "batch_size (0) must be >= 1")],
+)
+def test_out_of_range_values_fail_before_training_with_one_clear_line(workdir, flag, message):
+    proc = cli("fit", *QUIET, *flag, cwd=workdir, check=False)
+    assert proc.returncode == 2
+    assert f"error: {message}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (workdir / "runs").exists()  # nothing written: the run never started
