@@ -137,7 +137,11 @@ class Preemption(Callback):
         if not isinstance(exception, SIGTERMException):
             return
         path = _last_checkpoint_path(trainer)
-        if path is not None:
+        if trainer.validating or trainer.sanity_checking:
+            # A checkpoint taken mid-validation resumes past that validation (its metric point and top-k check
+            # would be lost); the last one on disk, at most N steps old, resumes exactly.
+            rank_zero_info(f"Preempted during validation: kept the last checkpoint. Exit code {PREEMPTED_EXIT_CODE}.")
+        elif path is not None:
             trainer.save_checkpoint(path)  # every rank takes part (RNG states are gathered); rank 0 writes
             rank_zero_info(f"Preempted: saved {path}; resume with --ckpt_path last. Exit code {PREEMPTED_EXIT_CODE}.")
         exception.code = PREEMPTED_EXIT_CODE  # SIGTERMException is a SystemExit: this becomes the exit status
