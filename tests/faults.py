@@ -31,6 +31,17 @@ class KillAt(L.Callback):
         os.kill(os.getpid(), signal.Signals(self.sig))
 
 
+class SignalInValidation(L.Callback):
+    """Sends ``sig`` to this process during the second validation batch of epoch ``epoch`` (not the sanity check)."""
+
+    def __init__(self, epoch: int, sig: int = 15) -> None:
+        self.epoch, self.sig = epoch, sig
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx, *_):
+        if not trainer.sanity_checking and trainer.current_epoch == self.epoch and batch_idx == 1:
+            os.kill(os.getpid(), signal.Signals(self.sig))
+
+
 class CountEvalSamples(L.Callback):
     """Test probe: each rank writes how many validation/test samples it evaluated to ``out_dir/rank{R}.txt``.
 

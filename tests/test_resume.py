@@ -106,6 +106,16 @@ def test_sigterm_saves_last_and_exits_143_and_the_resume_is_exact(uninterrupted,
     assert_same_run(uninterrupted, tmp_path)
 
 
+def test_sigterm_during_validation_keeps_the_last_checkpoint_and_the_resume_is_exact(uninterrupted, tmp_path):
+    fault = ["--trainer.callbacks+=tests.faults.SignalInValidation", "--trainer.callbacks.epoch=1"]
+    proc = cli("fit", *BASE, *fault, cwd=tmp_path, check=False)
+    assert proc.returncode == 143 and "Preempted during validation" in proc.stdout + proc.stderr
+    (run,) = run_dirs(tmp_path)
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 20  # epoch 0's end
+    cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
+    assert_same_run(uninterrupted, tmp_path)  # epoch 1's validation point is there, once
+
+
 def test_truncated_checkpoint_names_the_file_and_last_picks_a_good_one(uninterrupted, tmp_path):
     proc = cli("fit", *BASE, *kill_at(45), cwd=tmp_path, check=False)
     (run,) = run_dirs(tmp_path)
