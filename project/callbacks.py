@@ -129,9 +129,29 @@ class Preemption(Callback):
     Outside SLURM, SIGUSR1 is routed to the same path; under SLURM it stays Lightning's (checkpoint + requeue).
     """
 
+    def __init__(self) -> None:
+        self._slurm_handler: Any = None
+        self._pending_signal: int | None = None
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not SLURMEnvironment.detect() and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Under SLURM, Lightning's SIGUSR1 handler checkpoints and requeues inside the signal handler; landing
+        # while the main thread holds the TensorBoard writer's lock it deadlocked. Defer it to the next batch end.
+        handler = signal.getsignal(signal.SIGUSR1)
+        if SLURMEnvironment.detect() and callable(handler) and threading.current_thread() is threading.main_thread():
+            self._slurm_handler = handler
+            signal.signal(signal.SIGUSR1, self._defer)
+
+    def _defer(self, signum: int, _: Any) -> None:
+        self._pending_signal = signum
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+        if self._pending_signal is not None and self._slurm_handler is not None:
+            signum, self._pending_signal = self._pending_signal, None
+            self._slurm_handler(signum, None)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):
