@@ -1,10 +1,13 @@
 """The command line: ``python -m project fit|validate|test|predict``, a LightningCLI and nothing more."""
 
 from pathlib import Path
+from typing import Any
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from project.callbacks import DestroyProcessGroup, ExactResume, Preemption, SaveConfigOnce
+from project.callbacks import DestroyProcessGroup, ExactResume, LossProgressBar, Preemption, SaveConfigOnce
 from project.runs import ResumeError, resolve_resume
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -31,6 +34,16 @@ class CLI(LightningCLI):
             while error.__cause__ is not None:
                 error = error.__cause__
             self.parser.error(str(error))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        # LossProgressBar in place of Lightning's default bar; not in the config's callback list, because there
+        # it would make `--trainer.enable_progress_bar false` an error. A bar the config brings wins.
+        config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, LossProgressBar()]
+        return super().instantiate_trainer(**kwargs)
 
 
 def cli_main(args: ArgsType = None) -> CLI:
