@@ -7,7 +7,14 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from project.callbacks import DestroyProcessGroup, ExactResume, LossProgressBar, Preemption, SaveConfigOnce
+from project.callbacks import (
+    DestroyProcessGroup,
+    ExactResume,
+    LossProgressBar,
+    Preemption,
+    SaveConfigOnce,
+    StopOnNonFinite,
+)
 from project.runs import ResumeError, resolve_resume
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -53,7 +60,7 @@ def cli_main(args: ArgsType = None) -> CLI:
         save_config_callback=SaveConfigOnce,
         # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run
         # looks finished.
-        trainer_defaults={"callbacks": [ExactResume(), Preemption(), DestroyProcessGroup()]},
+        trainer_defaults={"callbacks": [ExactResume(), Preemption(), StopOnNonFinite(), DestroyProcessGroup()]},
         parser_kwargs={sub: {"default_config_files": defaults} for sub in SUBCOMMANDS},
         args=args,
     )

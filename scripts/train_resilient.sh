@@ -13,7 +13,7 @@
 #
 # A crash loses at most the steps since the last checkpoint (configs/default.yaml refreshes last.ckpt every
 # 50 optimizer steps and at every epoch end). Exit 0 ends the loop, and so does a preempted run (exit 143, it
-# saved last.ckpt): preemption is the scheduler's decision, not a crash. Examples:
+# saved last.ckpt) or a Ctrl-C (130): those are the scheduler's or the user's decision, not a crash. Examples:
 #   scripts/train_resilient.sh --config configs/ddp.yaml --trainer.devices 4
 #   scripts/train_resilient.sh --torchrun --nproc_per_node 8 --nnodes 2 --rdzv 10.0.0.1:29500 --config configs/ddp.yaml
 # Found on CPU with gloo (torch 2.13): after torchrun restarts the workers, a rank sometimes connects to an address
@@ -45,7 +45,7 @@ fi
 for ((attempt = 0; ; attempt++)); do
     "$PY" -m project fit "$@" --ckpt_path last
     rc=$?
-    if [[ $rc == 0 || $rc == 143 ]]; then
+    if [[ $rc == 0 || $rc == 130 || $rc == 143 ]]; then
         exit $rc
     fi
     if ((attempt >= restarts)); then

@@ -64,3 +64,26 @@ class CountEvalSamples(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"rank{trainer.global_rank}.txt").write_text(str(self.count))
+
+
+class NaNInputAt(L.Callback):
+    """Puts a NaN in the input batch of optimizer step ``step`` (on ``rank`` only; None: every rank), so the loss,
+    then the gradients, turn NaN, as a diverging run's would. Before doing so it writes the sha256 of every file
+    in the run's checkpoints folder to ``hashes`` (JSON), for the test to prove they were not touched afterwards.
+    """
+
+    def __init__(self, step: int, hashes: str, rank: int | None = None) -> None:
+        self.step, self.hashes, self.rank = step, hashes, rank
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, *_: object) -> None:
+        if trainer.global_step != self.step:
+            return
+        if trainer.is_global_zero:
+            import hashlib
+            import json
+
+            folder = Path(trainer.checkpoint_callback.dirpath)
+            digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.ckpt"))}
+            Path(self.hashes).write_text(json.dumps(digests))
+        if self.rank in (None, trainer.global_rank):
+            batch[0][0, 0] = float("nan")

@@ -106,6 +106,16 @@ def test_sigterm_saves_last_and_exits_143_and_the_resume_is_exact(uninterrupted,
     assert_same_run(uninterrupted, tmp_path)
 
 
+def test_ctrl_c_saves_last_and_exits_130_and_the_resume_is_exact(uninterrupted, tmp_path):
+    proc = cli("fit", *BASE, *kill_at(27, signal.SIGINT), cwd=tmp_path, check=False)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "Interrupted: saved" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    (run,) = run_dirs(tmp_path)
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] in (27, 28)
+    cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
+    assert_same_run(uninterrupted, tmp_path)
+
+
 def test_sigterm_during_validation_keeps_the_last_checkpoint_and_the_resume_is_exact(uninterrupted, tmp_path):
     fault = ["--trainer.callbacks+=tests.faults.SignalInValidation", "--trainer.callbacks.epoch=1"]
     proc = cli("fit", *BASE, *fault, cwd=tmp_path, check=False)
