@@ -1,0 +1,45 @@
+"""The GPU speed switches (configs/gpu.yaml) on CPU: they run, and change nothing a checkpoint records."""
+
+import pytest
+import torch
+
+from project.module import Classifier
+from project.nets import MLP
+from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
+
+
+def test_compile_and_matmul_precision_are_applied_in_setup_and_keep_checkpoint_keys():
+    before = torch.get_float32_matmul_precision()
+    try:
+        plain = Classifier(MLP())
+        fast = Classifier(MLP(), compile=True, float32_matmul_precision="medium")
+        assert fast.net._compiled_call_impl is None  # nothing happens at construction
+        fast.setup("fit")
+        assert fast.net._compiled_call_impl is not None
+        assert torch.get_float32_matmul_precision() == "medium"
+        assert list(fast.state_dict()) == list(plain.state_dict())  # no "_orig_mod." prefix
+        assert "compile" not in fast.hparams and "float32_matmul_precision" not in fast.hparams
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.slow
+def test_gpu_config_trains_on_cpu_and_its_checkpoint_validates_in_a_plain_run(tmp_path):
+    # bf16-mixed autocast, a compiled net, loader workers with pinned memory, all through the real CLI.
+    gpu = ["--config", str(REPO / "configs" / "gpu.yaml"), "--trainer.accelerator", "cpu"]
+    short = ["--trainer.max_epochs", "2", "--trainer.limit_train_batches", "10", "--model.warmup", "1"]
+    cli("fit", *QUIET, *short, cwd=tmp_path)  # the reference: float32, uncompiled, no workers
+    cli("fit", *QUIET, *gpu, *short, cwd=tmp_path, timeout=600)
+    reference, run = run_dirs(tmp_path)
+    logged = scalars(run)
+    losses = [v for _, v in logged["train/loss"]]
+    reference_losses = [v for _, v in scalars(reference)["train/loss"]]
+    # Same batches, same dropout masks, same steps: the curves differ only by bfloat16 rounding.
+    assert len(losses) == len(reference_losses) == 20
+    assert losses == pytest.approx(reference_losses, rel=0.05)
+    # The same weights evaluated in float32 by an uncompiled net: the number bf16 reported, to bf16's precision.
+    cli("validate", *QUIET, "--ckpt_path", str(run / "checkpoints" / "last.ckpt"), cwd=tmp_path)
+    validated = run_dirs(tmp_path)[-1]
+    assert validated not in (reference, run)
+    [(_, plain_acc)] = scalars(validated)["val/acc"]
+    assert plain_acc == pytest.approx(logged["val/acc"][-1][1], abs=0.02)
