@@ -12,4 +12,7 @@ if __name__ == "__main__":
     parser.add_argument("ckpt", help="a Lightning checkpoint, e.g. runs/digits/version_0/checkpoints/last.ckpt")
     parser.add_argument("out", help="where to write the state_dict (.pth); a .json with the net's config goes beside")
     args = parser.parse_args()
-    print(f"wrote {export_weights(args.ckpt, args.out)}")
+    try:
+        print(f"wrote {export_weights(args.ckpt, args.out)}")
+    except (ValueError, OSError) as error:  # not a checkpoint, unsafe to load, output exists: one line, exit 2
+        parser.error(str(error))
