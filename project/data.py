@@ -113,6 +113,13 @@ def make_loader(
             dataset = Subset(dataset, [0])
         world, rank = 1, 0
     sampler = ResumableSampler(dataset, world, rank, shuffle=train, seed=seed, pad=train)
+    batch_size = kwargs.get("batch_size", 1)
+    if train and batch_size is not None and batch_size > sampler.num_samples:
+        share = f"{sampler.num_samples} samples" + (f" per rank on {world} ranks" if world > 1 else "")
+        raise ValueError(
+            f"batch_size ({batch_size}) is larger than the training set ({share}): every epoch would be one short "
+            f"batch. Lower --data.batch_size to {sampler.num_samples} or less."
+        )
     if train:
         return ResumableDataLoader(dataset, sampler=sampler, collate_fn=collate_fn, **kwargs)
     # A generator of its own: creating an eval iterator must not draw from the global RNG that training uses.
@@ -176,6 +183,12 @@ class DigitsDataModule(L.LightningDataModule):
 
     def _loader(self, split: str, train: bool = False) -> DataLoader:
         hp = self.hparams
+        if len(self.splits[split]) == 0:  # the fractions were checked in __init__, the counts only exist now
+            n, fraction = sum(len(s) for s in self.splits.values()), f"{split}_fraction"
+            raise ValueError(
+                f"{fraction} ({hp[fraction]}) leaves no {split} samples: int({hp[fraction]} * {n}) = 0 of the {n} "
+                f"digits. Raise --data.{fraction} to at least {math.ceil(1e4 / n) / 1e4}."
+            )
         return make_loader(
             self.splits[split],
             self.trainer,
