@@ -7,11 +7,13 @@ curves go on; TensorBoard drops what the interrupted run logged after the checkp
 from any other checkpoint branches into a new version, which never overwrites the files of the run it came from.
 """
 
+import os
 from pathlib import Path
 
-import torch
 from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from project.checkpoint_io import CheckpointLoadError, load_checkpoint_file
 
 
 class ResumeError(ValueError):
@@ -30,10 +32,19 @@ def _tensorboard_init_args(trainer_config: Namespace) -> Namespace | None:
 def read_global_step(path: Path) -> int:
     """Opens a checkpoint without unpickling code or reading its tensors; raises ``ResumeError`` if unreadable."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return int(ckpt["global_step"])
-    except Exception as error:
-        raise ResumeError(f"{path} is not a readable checkpoint ({type(error).__name__}: {error})") from None
+        return int(load_checkpoint_file(path, mmap=True)["global_step"])
+    except CheckpointLoadError as error:
+        raise ResumeError(str(error)) from None
+    except (KeyError, TypeError, ValueError) as error:
+        raise ResumeError(f"{path} is not a training checkpoint: no global step ({error})") from None
+
+
+def _loads(path: Path) -> bool:
+    try:
+        read_global_step(path)
+    except ResumeError:
+        return False
+    return True
 
 
 def _checkpoints_newest_first(folder: Path, pattern: str = "*/checkpoints/*.ckpt") -> list[Path]:
@@ -49,6 +60,25 @@ def find_last_checkpoint(runs_dir: Path) -> tuple[Path, int] | None:
         except ResumeError as error:
             rank_zero_warn(f"Skipping {error}")
     return None
+
+
+def check_save_dir(config: Namespace) -> None:
+    """Raises ``ValueError`` before anything runs if the logger's ``save_dir`` cannot become a writable folder.
+
+    Otherwise a run would fail once started, in a traceback from deep inside the logger.
+    """
+    logger_args = _tensorboard_init_args(config["trainer"])
+    if logger_args is None:
+        return
+    save_dir = Path(logger_args["save_dir"])
+    existing = save_dir
+    while not existing.exists() and existing != existing.parent:  # the part of the path that is there
+        existing = existing.parent
+    flag = "--trainer.logger.init_args.save_dir"
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {save_dir}: {existing} is a file, not a folder. Choose another {flag}.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {save_dir}: the folder {existing} is not writable. Choose another {flag}.")
 
 
 def resolve_resume(config: Namespace, continue_run: bool) -> None:
@@ -79,8 +109,8 @@ def resolve_resume(config: Namespace, continue_run: bool) -> None:
         try:
             global_step = read_global_step(path)
         except ResumeError as error:
-            good = [p for p in _checkpoints_newest_first(path.parent, "*.ckpt") if p != path]
-            hint = f" The newest other checkpoint beside it is {good[0]}." if good else ""
+            good = next((p for p in _checkpoints_newest_first(path.parent, "*.ckpt") if _loads(p)), None)
+            hint = f" The newest other checkpoint beside it is {good}." if good else ""
             raise ResumeError(f"{error}.{hint} Resume from another file, or from 'last'.") from None
         continues = path.name.startswith("last")
     run_dir = path.resolve().parent.parent
