@@ -1,10 +1,16 @@
 """Faults and probes that tests inject into real runs (`--trainer.callbacks+=tests.faults.KillAt`), not product code."""
 
+import errno
+import io
 import os
 import signal
 from pathlib import Path
+from typing import BinaryIO
 
 import lightning as L
+import torch
+
+from project.checkpoint_io import AtomicCheckpointIO
 
 
 class KillAt(L.Callback):
@@ -87,3 +93,28 @@ class NaNInputAt(L.Callback):
             Path(self.hashes).write_text(json.dumps(digests))
         if self.rank in (None, trainer.global_rank):
             batch[0][0, 0] = float("nan")
+
+
+class DiskFullOnSave(AtomicCheckpointIO):
+    """The template's checkpoint writer, whose ``save``-th save runs out of disk space half-way through the file.
+
+    It writes the first half of the checkpoint's bytes to the open ``.tmp`` file and raises ``ENOSPC`` as
+    ``write`` does on a full disk. Select it with ``--trainer.plugins tests.faults.DiskFullOnSave``.
+
+    Args:
+        save: Which save fails, counting from 1 in this process.
+    """
+
+    def __init__(self, save: int = 1) -> None:
+        super().__init__()
+        self.save, self.saves = save, 0
+
+    def _write(self, checkpoint: dict, f: BinaryIO) -> None:
+        self.saves += 1
+        if self.saves != self.save:
+            return super()._write(checkpoint, f)
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        f.write(buffer.getvalue()[: buffer.tell() // 2])
+        f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -1,0 +1,241 @@
+"""Bad input and untrusted files end in one ``error:`` line naming the problem and the fix, and lose nothing.
+
+Errors found while the command line is parsed are checked in this process (the real ``cli_main``, its
+``SystemExit`` code is the exit code; ~0.1 s instead of ~5 s of imports); everything that builds a Trainer or
+runs one goes through ``python -m project`` in a subprocess. Each test hashes every file of the earlier run
+before and after.
+"""
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import DDP2, QUIET, REPO, cli, run_dirs
+
+SMALL = ["--model.net.init_args.hidden_sizes", "[32]", "--model.warmup", "0"]  # not the default net: row 5
+TINY = [*QUIET, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"]
+
+
+def together(cwd: Path, *commands: list[str]) -> list[subprocess.CompletedProcess]:
+    """Runs independent CLI commands at the same time (each spends ~5 s importing Lightning on one core)."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: cli(*args, cwd=cwd, check=False, timeout=120), commands))
+
+
+def snapshot(cwd: Path) -> dict[str, str]:
+    """sha256 of every file under ``cwd/runs``."""
+    return {
+        str(p.relative_to(cwd)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(cwd.rglob("runs/**/*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A folder holding one finished run of the small net: runs/digits/version_0 with best-*.ckpt and last.ckpt."""
+    cwd = tmp_path_factory.mktemp("trained")
+    cli("fit", *TINY, *SMALL, cwd=cwd)
+    return cwd
+
+
+@pytest.fixture
+def earlier(trained, tmp_path) -> Path:
+    """A copy of ``trained`` that a test may run into."""
+    shutil.copytree(trained / "runs", tmp_path / "runs")
+    return tmp_path
+
+
+@pytest.fixture
+def parse(monkeypatch, capsys):
+    """Runs ``cli_main(args)`` in ``cwd`` for input that fails before anything is built; returns (exit code, stderr)."""
+    from project.cli import cli_main
+
+    monkeypatch.setattr(sys, "argv", ["project"])
+
+    def run(*args: str, cwd: Path) -> tuple[int, str]:
+        monkeypatch.chdir(cwd)
+        with pytest.raises(SystemExit) as exit_info:  # any other exception: the user would see a traceback
+            cli_main(list(args))
+        return exit_info.value.code, capsys.readouterr().err
+
+    return run
+
+
+def assert_one_clear_error(code: int, stderr: str, *words: str, exit_code: int = 2) -> None:
+    assert code == exit_code, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    error = stderr[stderr.rindex("error: ") :]  # the last thing printed
+    for word in words:
+        assert word in error, f"{word!r} not in {error!r}"
+
+
+def test_unknown_flag_or_misspelt_yaml_key_names_the_key_and_starts_nothing(trained, parse, tmp_path):
+    before = snapshot(trained)
+    code, err = parse("fit", "--model.lrr", "0.1", cwd=trained)
+    assert_one_clear_error(code, err, "'lrr' is not accepted")
+    assert "fit --help" in err  # the fix: where the accepted keys are listed
+    assert len(err.splitlines()) < 20  # a short usage line above the error, not the 60 options
+    config = tmp_path / "typo.yaml"
+    config.write_text("trainer:\n  max_epochz: 3\n")
+    code, err = parse("fit", "--config", str(config), cwd=trained)
+    assert_one_clear_error(code, err, "'trainer.max_epochz'")
+    assert snapshot(trained) == before
+
+
+def test_config_file_missing_or_not_yaml_names_the_file(trained, parse, tmp_path):
+    before = snapshot(trained)
+    code, err = parse("fit", "--config", "missing.yaml", cwd=trained)
+    assert_one_clear_error(code, err, "does not exist", "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trainer:\n  max_epochs: [1, 2\n  devices: 1\n")
+    code, err = parse("fit", "--config", str(broken), cwd=trained)
+    assert_one_clear_error(code, err, f"--config {broken} is not valid YAML", "line 3", "Fix the file")
+    assert snapshot(trained) == before
+
+
+def test_ckpt_path_to_a_missing_file_names_it(trained, parse):
+    before = snapshot(trained)
+    code, err = parse("fit", "--ckpt_path", "runs/digits/version_0/checkpoints/lost.ckpt", cwd=trained)
+    assert_one_clear_error(code, err, "--ckpt_path runs/digits/version_0/checkpoints/lost.ckpt: no such file", "'last'")
+    assert snapshot(trained) == before  # ("--ckpt_path last" with no run: test_cli's ..._starts_fresh_with_a_notice)
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [(b"", "it is an empty file"), (b"step: 40\n", "not a zip archive"), ([1, 2, 3], "not a Lightning checkpoint")],
+    ids=["empty", "text", "torch-saved-list"],
+)
+def test_a_file_that_is_not_a_checkpoint_is_named_and_the_run_beside_it_untouched(trained, parse, content, problem):
+    target = trained / "runs" / "digits" / "version_0" / "checkpoints" / "not-a.ckpt"
+    before = snapshot(trained)
+    if isinstance(content, bytes):
+        target.write_bytes(content)
+    else:
+        torch.save(content, target)
+    try:
+        for subcommand in ("fit", "validate"):
+            code, err = parse(subcommand, "--ckpt_path", str(target), cwd=trained)
+            assert_one_clear_error(code, err, f"{target} ", problem)
+            assert "The newest other checkpoint beside it is" in err  # a good one: the fix
+    finally:
+        target.unlink()
+    assert snapshot(trained) == before
+
+
+def test_checkpoint_of_another_network_lists_the_shapes_and_the_config_to_use(trained):
+    before = snapshot(trained)
+    last = "runs/digits/version_0/checkpoints/last.ckpt"
+    # validate with the default net (hidden [256, 256]); fit from last.ckpt, which would continue version_0, on
+    # 2 DDP ranks: refused before any rank starts, so no rank waits for another.
+    validate, fit = together(
+        trained, ["validate", *QUIET, "--ckpt_path", last], ["fit", *QUIET, *DDP2, "--ckpt_path", last]
+    )
+    assert_one_clear_error(
+        validate.returncode,
+        validate.stderr,
+        "net.layers.1.weight is [32, 64] in the checkpoint, [256, 64] here",
+        "net.layers.4.bias is [10] in the checkpoint, [256] here",
+        "net.layers.7.weight is missing from the checkpoint",
+        "--config runs/digits/version_0/config.yaml",
+    )
+    assert_one_clear_error(fit.returncode, fit.stderr, "net.layers.1.weight is [32, 64] in the checkpoint")
+    assert snapshot(trained) == before  # not even a config.1.yaml in version_0
+
+
+class Payload:
+    """Unpickling this object creates ``marker``: what a malicious checkpoint could do with any other call."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_checkpoint_carrying_code_is_refused_unrun_by_fit_validate_and_export(trained, parse, tmp_path):
+    marker = tmp_path / "payload-ran"
+    ckpt = torch.load(trained / "runs/digits/version_0/checkpoints/last.ckpt", weights_only=True)
+    evil = tmp_path / "evil.ckpt"
+    torch.save({**ckpt, "extra": Payload(marker)}, evil)
+    torch.load(evil, weights_only=False)  # the oracle: a plain load does run it
+    assert marker.exists()
+    marker.unlink()
+    before = snapshot(trained)
+    for subcommand in ("fit", "validate"):
+        code, err = parse(subcommand, *SMALL, "--ckpt_path", str(evil), "--weights_only", "false", cwd=trained)
+        assert_one_clear_error(code, err, f"{evil} holds a Python object", "could run code", "trust")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "export_weights.py"), str(evil), str(tmp_path / "out.pth")],
+        env={"PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert_one_clear_error(proc.returncode, proc.stderr, f"{evil} holds a Python object", "could run code")
+    assert not marker.exists() and not (tmp_path / "out.pth").exists()
+    assert snapshot(trained) == before
+
+
+def test_batch_larger_than_the_data_or_an_empty_split_stops_before_training(earlier):
+    before = snapshot(earlier)
+    big_batch, no_val = together(
+        earlier,
+        ["fit", *TINY, *SMALL, "--data.batch_size", "2000"],
+        ["fit", *TINY, *SMALL, "--data.val_fraction", "0.0005"],
+    )
+    assert_one_clear_error(big_batch.returncode, big_batch.stderr, "batch_size (2000)", "training set (1259 samples)",
+                           "--data.batch_size to 1259 or less", exit_code=1)  # fmt: skip
+    assert_one_clear_error(no_val.returncode, no_val.stderr, "val_fraction (0.0005) leaves no val samples", "1797",
+                           "--data.val_fraction to at least 0.0006", exit_code=1)  # fmt: skip
+    for run in run_dirs(earlier)[1:]:  # the failed runs' folders hold no checkpoint: no training step ran
+        assert not (run / "checkpoints").exists()
+    assert {k: v for k, v in snapshot(earlier).items() if "version_0" in k} == before
+
+
+def test_more_devices_than_the_machine_has_is_one_error_line_and_no_run_folder(tmp_path):
+    n = torch.cuda.device_count()
+    proc = cli("fit", *QUIET, "--trainer.accelerator", "cuda", "--trainer.devices", str(n + 1), cwd=tmp_path,
+               check=False, timeout=120)  # fmt: skip
+    assert_one_clear_error(proc.returncode, proc.stderr, f"this machine has {n} CUDA GPU(s)", "--trainer")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_rerun_and_fit_from_a_best_checkpoint_write_new_versions_and_leave_the_first_byte_for_byte(earlier):
+    before = snapshot(earlier)
+    cli("fit", *TINY, *SMALL, cwd=earlier)
+    (best,) = (earlier / "runs/digits/version_0/checkpoints").glob("best-*.ckpt")
+    cli("fit", *TINY, *SMALL, "--trainer.max_epochs", "2", "--ckpt_path", str(best), cwd=earlier)
+    assert [r.name for r in run_dirs(earlier)] == ["version_0", "version_1", "version_2"]
+    assert torch.load(run_dirs(earlier)[2] / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    assert {k: v for k, v in snapshot(earlier).items() if "version_0" in k} == before
+
+
+def test_unusable_save_dir_is_named_before_anything_runs(trained, parse, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    before = snapshot(trained)
+    code, err = parse("fit", "--trainer.logger.init_args.save_dir", str(blocker / "runs"), cwd=trained)
+    assert_one_clear_error(code, err, f"{blocker} is a file, not a folder", "Choose another")
+    assert snapshot(trained) == before
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoints_and_resume_works(earlier):
+    last = earlier / "runs/digits/version_0/checkpoints/last.ckpt"
+    before = snapshot(earlier)
+    # Resume the finished run for a second epoch; its 2nd save (last.ckpt, after best-epoch001) hits a full disk.
+    fault = ["--trainer.plugins", "tests.faults.DiskFullOnSave", "--trainer.plugins.save", "2"]
+    common = [*TINY, *SMALL, "--trainer.max_epochs", "2"]
+    proc = cli("fit", *common, *fault, "--ckpt_path", "last", cwd=earlier, check=False)
+    folder = "runs/digits/version_0/checkpoints"
+    assert_one_clear_error(proc.returncode, proc.stderr, f"could not save the checkpoint last.ckpt in {folder}",
+                           "No space left on device", "Free space", "--ckpt_path last", exit_code=1)  # fmt: skip
+    assert not list(earlier.rglob("*.tmp"))
+    assert hashlib.sha256(last.read_bytes()).hexdigest() == before[str(last.relative_to(earlier))]
+    assert torch.load(last, weights_only=True)["global_step"] == 3
+    proc = cli("fit", *common, "--trainer.max_epochs", "3", "--ckpt_path", "last", cwd=earlier)
+    assert "resuming from" in proc.stdout + proc.stderr
+    assert torch.load(last, weights_only=True)["global_step"] == 9
