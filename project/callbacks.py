@@ -42,8 +42,8 @@ class ExactResume(Callback):
     """Puts in each checkpoint what Lightning leaves out and a bit-exact resume needs.
 
     - Every rank's torch, CUDA, numpy and Python RNG states, restored on resume.
-    - The loggers' buffers are flushed, so no point logged before the checkpoint is lost if the process is
-      killed right after it (the resumed run's ``purge_step`` drops those logged after it).
+    - The loggers' buffers are flushed (at each checkpoint and each epoch start), so no point logged before the
+      checkpoint is lost if the process is killed right after it (the resumed run's ``purge_step`` drops those logged after it).
 
     Lightning checkpoints hold no RNG state, so dropout masks (and anything else drawn from the global
     generators) differ after a resume. ``state_dict`` runs on every rank while a checkpoint is assembled, so the
@@ -59,10 +59,12 @@ class ExactResume(Callback):
         self._trainer = trainer
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        for logger in trainer.loggers:
-            logger.save()
-            if hasattr(logger.experiment, "flush"):
-                logger.experiment.flush()
+        _flush_loggers(trainer)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The epoch-end values (train/acc, ...) are logged after the epoch-end checkpoint, and a resume from that
+        # checkpoint does not log them again: out before the next epoch can be killed.
+        _flush_loggers(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         mine = _rng_tensors()
@@ -88,6 +90,16 @@ class ExactResume(Callback):
             )
             return
         _set_rng_tensors(ranks[trainer.global_rank])
+
+
+def _flush_loggers(trainer: L.Trainer) -> None:
+    for logger in trainer.loggers:
+        if hasattr(logger, "flush"):  # ThrottledTensorBoardLogger: the values it holds back
+            logger.flush()
+        else:
+            logger.save()
+            if hasattr(logger.experiment, "flush"):
+                logger.experiment.flush()
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:

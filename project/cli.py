@@ -1,19 +1,11 @@
-"""The command line: ``python -m project fit|validate|test|predict``, a LightningCLI and how it reports bad input.
+"""The command line: ``python -m project fit|validate|test|predict``, a LightningCLI; bad input ends in one
+``error:`` line (``project.errors``)."""
 
-Bad input ends in one ``error:`` line that names the problem and the fix, not a traceback: exit code 2 when it
-is found before anything is written (arguments, config files, checkpoints, devices, the output folder), exit
-code 1 when it shows up during the run (data too small for a batch, a full disk).
-"""
-
-import itertools
-import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
@@ -28,6 +20,7 @@ from project.callbacks import (
     StopOnNonFinite,
 )
 from project.checkpoint_io import check_fits
+from project.errors import check_yaml_files, one_line_errors, root_cause
 from project.runs import check_save_dir, resolve_resume
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -39,7 +32,7 @@ class CLI(LightningCLI):
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
-        _check_yaml_files(parser, sys.argv[1:] if args is None else args)
+        check_yaml_files(parser, sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         if subcommand:
@@ -55,10 +48,8 @@ class CLI(LightningCLI):
             ckpt_path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
             if ckpt_path is not None and Path(ckpt_path).is_file():
                 check_fits(ckpt_path, self.model)
-        except ValueError as error:  # e.g. "lr (-0.1) must be > 0" from a constructor, under jsonargparse's wrapping
-            while error.__cause__ is not None:
-                error = error.__cause__
-            self.parser.error(str(error))
+        except ValueError as error:  # e.g. "lr (-0.1) must be > 0" from a constructor
+            self.parser.error(str(root_cause(error)))
         except MisconfigurationException as error:  # the Trainer's, e.g. more devices than the machine has
             self.parser.error(
                 f"{error} Check the --trainer arguments: this machine has {torch.cuda.device_count()} CUDA GPU(s)."
@@ -75,34 +66,10 @@ class CLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
-def _check_yaml_files(parser: LightningArgumentParser, args: ArgsType) -> None:
-    # jsonargparse's message for a broken --config names neither the file nor the line
-    if not isinstance(args, list | tuple):
-        return
-    pairs = [*itertools.pairwise(args), *(a.split("=", 1) for a in args if a.startswith("--config="))]
-    for flag, value in pairs:
-        if flag in ("-c", "--config") and os.path.isfile(value):
-            try:
-                with open(value) as f:
-                    yaml.safe_load(f)
-            except yaml.YAMLError as error:
-                parser.error(f"--config {value} is not valid YAML: {' '.join(str(error).split())}. Fix the file.")
-
-
-def _raised_at(error: BaseException) -> str:
-    # The innermost frame outside installed packages: where to look, without the traceback of the whole stack.
-    frames = traceback.extract_tb(error.__traceback__)
-    frame = next((f for f in reversed(frames) if "site-packages" not in f.filename), frames[-1] if frames else None)
-    if frame is None:
-        return "?"
-    relative = os.path.relpath(frame.filename)
-    return f"{frame.filename if relative.startswith('..') else relative}:{frame.lineno}"
-
-
 def cli_main(args: ArgsType = None) -> CLI:
     # Subclass mode (no model/data class given): any LightningModule, DataModule or net is one class_path away.
     defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
-    try:
+    with one_line_errors():
         return CLI(
             save_config_callback=SaveConfigOnce,
             # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run
@@ -115,10 +82,3 @@ def cli_main(args: ArgsType = None) -> CLI:
             },
             args=args,
         )
-    except (ValueError, OSError, MisconfigurationException) as error:  # found during the run: bad data, disk full
-        if os.environ.get("JSONARGPARSE_DEBUG"):  # jsonargparse's switch for tracebacks instead of error lines
-            raise
-        message = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        if isinstance(error, OSError) and error.filename:
-            message += f": {error.filename}"
-        sys.exit(f"error: {message} (raised at {_raised_at(error)}; JSONARGPARSE_DEBUG=1 shows the traceback)")
