@@ -43,7 +43,8 @@ class ExactResume(Callback):
 
     - Every rank's torch, CUDA, numpy and Python RNG states, restored on resume.
     - The loggers' buffers are flushed (at each checkpoint and each epoch start), so no point logged before the
-      checkpoint is lost if the process is killed right after it (the resumed run's ``purge_step`` drops those logged after it).
+      checkpoint is lost if the process is killed right after it (the resumed run's ``purge_step`` drops those
+      logged after it).
 
     Lightning checkpoints hold no RNG state, so dropout masks (and anything else drawn from the global
     generators) differ after a resume. ``state_dict`` runs on every rank while a checkpoint is assembled, so the
