@@ -1,4 +1,4 @@
-from project.cli import cli_main
+from project.engine.cli import cli_main
 
 if __name__ == "__main__":
     cli_main()

@@ -7,124 +7,12 @@ exactly once under DDP.
 """
 
 import math
-from collections.abc import Iterator
-from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader
 
-
-class ResumableSampler(DistributedSampler):
-    """Indices of one rank, in an order that is a pure function of ``(seed, epoch)``.
-
-    ``pad=True`` (training) repeats a few indices so all ranks get the same number of samples, as
-    ``DistributedSampler`` does. ``pad=False`` (evaluation) gives each index to exactly one rank, so metrics
-    reduced across ranks equal the single-process value; ranks may then run different numbers of batches.
-    Subclassing ``DistributedSampler`` tells Lightning to leave it alone instead of wrapping it.
-    """
-
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool, seed: int, pad: bool) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-        self.pad = pad
-        n = len(dataset)  # type: ignore[arg-type]
-        self.num_samples = math.ceil(n / num_replicas) if pad else len(range(rank, n, num_replicas))
-        self.skip = 0  # samples of the current epoch already consumed before a resume
-
-    def __iter__(self) -> Iterator[int]:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        else:
-            order = torch.arange(n)
-        if self.pad and n % self.num_replicas:
-            order = torch.cat([order, order[: self.num_replicas - n % self.num_replicas]])
-        mine = order[self.rank :: self.num_replicas][self.skip :]
-        self.skip = 0
-        return iter(mine.tolist())
-
-
-class ResumableDataLoader(DataLoader):
-    """A DataLoader whose position in the epoch goes into Lightning checkpoints.
-
-    Lightning saves ``state_dict()`` of any train loader that has one. For a loader with a length, its fetcher
-    prefetches nothing, so the batches handed out are exactly the batches the training loop has consumed. The
-    loader's ``generator`` is re-seeded per epoch so that the workers' base seed never draws from, and never
-    shifts, the global RNG that dropout uses.
-    """
-
-    def __iter__(self) -> Iterator[Any]:
-        sampler = self.sampler
-        assert isinstance(sampler, ResumableSampler), "ResumableDataLoader needs a ResumableSampler"
-        self._epoch, self._yielded = sampler.epoch, sampler.skip // self.batch_size
-        self.generator = torch.Generator().manual_seed(sampler.seed + 7919 * (sampler.epoch + 1))
-        for batch in super().__iter__():
-            self._yielded += 1
-            yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": getattr(self, "_epoch", 0), "batches": getattr(self, "_yielded", 0)}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        sampler = self.sampler
-        assert isinstance(sampler, ResumableSampler)
-        if state["batches"] >= len(self):  # saved at the end of an epoch: the next one starts fresh
-            sampler.set_epoch(state["epoch"] + 1)
-        else:
-            sampler.set_epoch(state["epoch"])
-            sampler.skip = state["batches"] * self.batch_size
-
-
-class TensorBatchDataset(Dataset):
-    """In-memory tensors that yield a whole batch by one indexing op instead of collating samples one by one."""
-
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        self.tensors = tensors
-
-    def __len__(self) -> int:
-        return len(self.tensors[0])
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
-        return tuple(t[index] for t in self.tensors)
-
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
-        index = torch.tensor(indices)
-        return tuple(t[index] for t in self.tensors)
-
-
-def _batch_as_is(batch: Any) -> Any:  # module level, so that worker processes can unpickle it
-    return batch
-
-
-def make_loader(
-    dataset: Dataset, trainer: "L.Trainer | None", train: bool, seed: int, collate_fn: Any = None, **kwargs: Any
-) -> DataLoader:
-    """A loader over this rank's share of ``dataset``: shuffled, padded and resumable when ``train``.
-
-    Evaluation loaders give each sample to exactly one rank; if the LightningModule sets
-    ``evaluates_on_rank_zero``, rank 0 gets the whole set and the others one placeholder sample, which the module
-    skips (with no batch at all, Lightning would skip their epoch-end hooks, where they receive rank 0's result).
-    """
-    if collate_fn is None and isinstance(dataset, TensorBatchDataset):
-        collate_fn = _batch_as_is
-    world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-    if not train and world > 1 and getattr(trainer.lightning_module, "evaluates_on_rank_zero", False):
-        if rank != 0:
-            dataset = Subset(dataset, [0])
-        world, rank = 1, 0
-    sampler = ResumableSampler(dataset, world, rank, shuffle=train, seed=seed, pad=train)
-    batch_size = kwargs.get("batch_size", 1)
-    if train and batch_size is not None and batch_size > sampler.num_samples:
-        share = f"{sampler.num_samples} samples" + (f" per rank on {world} ranks" if world > 1 else "")
-        raise ValueError(
-            f"batch_size ({batch_size}) is larger than the training set ({share}): every epoch would be one short "
-            f"batch. Lower --data.batch_size to {sampler.num_samples} or less."
-        )
-    if train:
-        return ResumableDataLoader(dataset, sampler=sampler, collate_fn=collate_fn, **kwargs)
-    # A generator of its own: creating an eval iterator must not draw from the global RNG that training uses.
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, sampler=sampler, collate_fn=collate_fn, generator=generator, **kwargs)
+from project.engine.loaders import TensorBatchDataset, make_loader
 
 
 class DigitsDataModule(L.LightningDataModule):

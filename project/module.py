@@ -10,7 +10,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from project.schedule import LinearWarmupCosineAnnealingLR
+from project.engine.schedule import LinearWarmupCosineAnnealingLR
 
 STAGES = ("train", "val", "test")
 
@@ -33,7 +33,7 @@ class Classifier(L.LightningModule):
             step ever runs at rate 0.
         eta_min: Final rate of the cosine decay.
         validation: ``distributed``: every rank evaluates its share of the validation/test set (no sample
-            twice, see ``project.data.make_loader``) and torchmetrics reduces over all samples, which equals the
+            twice, see ``make_loader``) and torchmetrics reduces over all samples, which equals the
             single-process result. ``rank_zero``: rank 0 evaluates the whole set alone, the blog's way, for
             outputs that cannot be merged; the others wait and receive its numbers, so checkpointing and early
             stopping decide alike on every rank. (With ``rank_zero`` a net with buffers, e.g. BatchNorm, needs

@@ -61,8 +61,8 @@ def hand_written(spec: dict[str, Any], out: Path) -> None:
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
+    from project.engine.schedule import LinearWarmupCosineAnnealingLR
     from project.nets import MLP
-    from project.schedule import LinearWarmupCosineAnnealingLR
 
     torch.manual_seed(spec["seed"])
     torch.use_deterministic_algorithms(spec["deterministic"])
@@ -237,8 +237,8 @@ def make_spec(args: argparse.Namespace) -> dict[str, Any]:
     """What both sides run, from configs/default.yaml over the classes' defaults, with the command line's changes."""
     import yaml
 
-    from project.cli import DEFAULT_CONFIG
     from project.data import DigitsDataModule
+    from project.engine.cli import DEFAULT_CONFIG
     from project.module import Classifier
     from project.nets import MLP
 

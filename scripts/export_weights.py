@@ -5,7 +5,7 @@ Load them without Lightning: net = MLP(**init_args); net.load_state_dict(torch.l
 
 import argparse
 
-from project.export import export_weights
+from project.engine.export import export_weights
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

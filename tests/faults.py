@@ -10,7 +10,7 @@ from typing import BinaryIO
 import lightning as L
 import torch
 
-from project.checkpoint_io import AtomicCheckpointIO
+from project.engine.checkpoints import AtomicCheckpointIO
 
 
 class KillAt(L.Callback):

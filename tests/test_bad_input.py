@@ -55,7 +55,7 @@ def earlier(trained, tmp_path) -> Path:
 @pytest.fixture
 def parse(monkeypatch, capsys):
     """Runs ``cli_main(args)`` in ``cwd`` for input that fails before anything is built; returns (exit code, stderr)."""
-    from project.cli import cli_main
+    from project.engine.cli import cli_main
 
     monkeypatch.setattr(sys, "argv", ["project"])
 

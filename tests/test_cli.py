@@ -17,7 +17,7 @@ TRAIN_SIZE = 1797 - 2 * int(1797 * 0.15)  # the digits' default train split
 
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_config_parses(config, monkeypatch, capsys):
-    from project.cli import cli_main
+    from project.engine.cli import cli_main
 
     monkeypatch.setattr(sys, "argv", ["project"])
     with pytest.raises(SystemExit) as exit_info:

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from project.data import DigitsDataModule, ResumableDataLoader, ResumableSampler, TensorBatchDataset
+from project.data import DigitsDataModule
+from project.engine.loaders import ResumableDataLoader, ResumableSampler, TensorBatchDataset
 
 
 def test_split_is_deterministic_disjoint_and_complete():

@@ -1,6 +1,6 @@
 """ThrottledTensorBoardLogger holds values back between flushes and writes every one of them, in order."""
 
-from project.loggers import ThrottledTensorBoardLogger
+from project.engine.loggers import ThrottledTensorBoardLogger
 from tests.conftest import scalars
 
 

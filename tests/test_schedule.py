@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from project.schedule import LinearWarmupCosineAnnealingLR
+from project.engine.schedule import LinearWarmupCosineAnnealingLR
 
 
 def formula(t: int, b: float, w: int, m: int, ws: float, eta: float) -> float:
-    """The curve as specified, written independently of project.schedule (edge cases as documented)."""
+    """The curve as specified, written independently of project.engine.schedule (edge cases as documented)."""
     if t < w:
         return ws + t * (b - ws) / (w - 1) if w >= 2 else ws
     if t >= m:

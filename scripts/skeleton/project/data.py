@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from project.data import TensorBatchDataset, make_loader
+from project.engine.loaders import TensorBatchDataset, make_loader
 
 
 class DataModule(L.LightningDataModule):

@@ -13,7 +13,7 @@ from pathlib import Path
 from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from project.checkpoint_io import CheckpointLoadError, load_checkpoint_file
+from project.engine.checkpoints import CheckpointLoadError, load_checkpoint_file
 
 
 class ResumeError(ValueError):

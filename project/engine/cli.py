@@ -1,5 +1,5 @@
 """The command line: ``python -m project fit|validate|test|predict``, a LightningCLI; bad input ends in one
-``error:`` line (``project.errors``)."""
+``error:`` line (``project.engine.errors``)."""
 
 import sys
 from pathlib import Path
@@ -11,19 +11,17 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from project.callbacks import (
-    DestroyProcessGroup,
-    ExactResume,
-    LossProgressBar,
-    Preemption,
-    SaveConfigOnce,
-    StopOnNonFinite,
-)
-from project.checkpoint_io import check_fits
-from project.errors import check_yaml_files, one_line_errors, root_cause
-from project.runs import check_save_dir, resolve_resume
+from project.engine.checkpoints import check_fits
+from project.engine.config import SaveConfigOnce
+from project.engine.distributed import DestroyProcessGroup
+from project.engine.errors import check_yaml_files, one_line_errors, root_cause
+from project.engine.guards import StopOnNonFinite
+from project.engine.progress import LossProgressBar
+from project.engine.resume import ExactResume
+from project.engine.runs import check_save_dir, resolve_resume
+from project.engine.signals import Preemption
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from project.checkpoint_io import load_checkpoint_file
+from project.engine.checkpoints import load_checkpoint_file
 
 
 def export_weights(ckpt_path: str | Path, out_path: str | Path, prefix: str = "net.") -> Path:

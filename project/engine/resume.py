@@ -1,0 +1,102 @@
+"""What a bit-exact resume needs beyond Lightning's checkpoint: every rank's RNG states, logs flushed at saves."""
+
+import random
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+
+class ExactResume(Callback):
+    """Puts in each checkpoint what Lightning leaves out and a bit-exact resume needs.
+
+    - Every rank's torch, CUDA, numpy and Python RNG states, restored on resume.
+    - The loggers' buffers are flushed (at each checkpoint and each epoch start), so no point logged before the
+      checkpoint is lost if the process is killed right after it (the resumed run's ``purge_step`` drops those
+      logged after it).
+
+    Lightning checkpoints hold no RNG state, so dropout masks (and anything else drawn from the global
+    generators) differ after a resume. ``state_dict`` runs on every rank while a checkpoint is assembled, so the
+    states are gathered there; rank 0 writes them all. They are set again in ``on_train_start``: after model
+    init, the sanity check and the data setup (which all draw or may draw), right before the first batch.
+    """
+
+    def __init__(self) -> None:
+        self._trainer: L.Trainer | None = None
+        self._to_restore: list[dict[str, torch.Tensor]] | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        _flush_loggers(trainer)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The epoch-end values (train/acc, ...) are logged after the epoch-end checkpoint, and a resume from that
+        # checkpoint does not log them again: out before the next epoch can be killed.
+        _flush_loggers(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        mine = _rng_tensors()
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return {"ranks": [mine]}
+        device = trainer.strategy.root_device  # NCCL gathers only device tensors
+        gathered = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}
+        # clone: a view would be saved with (and set_rng_state would read from) the start of the whole storage
+        return {"ranks": [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._to_restore = state_dict["ranks"]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        ranks, self._to_restore = self._to_restore, None
+        if ranks is None:
+            return
+        if len(ranks) != trainer.world_size:
+            rank_zero_warn(
+                f"The checkpoint holds RNG states of {len(ranks)} ranks, this run has {trainer.world_size}: "
+                "random draws (dropout, augmentation) will differ from the original run from here on."
+            )
+            return
+        _set_rng_tensors(ranks[trainer.global_rank])
+
+
+def _flush_loggers(trainer: L.Trainer) -> None:
+    for logger in trainer.loggers:
+        if hasattr(logger, "flush"):  # ThrottledTensorBoardLogger: the values it holds back
+            logger.flush()
+        else:
+            logger.save()
+            if hasattr(logger.experiment, "flush"):
+                logger.experiment.flush()
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    """The global RNG states as tensors (a ``weights_only`` checkpoint may hold nothing else safely)."""
+    version, py_state, gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    states = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor([version, *py_state], dtype=torch.int64),
+        "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.tensor(np_keys.astype(np.int64)),
+        "numpy_rest": torch.tensor([np_pos, np_has_gauss, np_gauss], dtype=torch.float64),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_tensors(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["torch"].cpu().clone())
+    python = states["python"].tolist()
+    has_gauss, gauss = states["python_gauss"].tolist()
+    random.setstate((python[0], tuple(python[1:]), gauss if has_gauss else None))
+    pos, np_has_gauss, np_gauss = states["numpy_rest"].tolist()
+    np.random.set_state(("MT19937", states["numpy"].numpy().astype(np.uint32), int(pos), int(np_has_gauss), np_gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"].cpu().clone())
