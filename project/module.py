@@ -115,28 +115,15 @@ class Classifier(L.LightningModule):
         x, y = batch  # (B, ...), (B,)
         logits = self(x)  # (B, num_classes)
         loss = F.cross_entropy(logits, y)
+        # Metric objects, not per-step means, for the epoch values: torchmetrics reduces them over every sample of
+        # every rank, which equals the single-process value under DDP (uneven last batches included).
         self.metrics[f"{stage}_acc"].update(logits, y)
         self.metrics[f"{stage}_loss"].update(loss.detach(), weight=len(y))
-        # The per-step train loss is this rank's own, which is what the curve needs; epoch values come from the
-        # metrics, once per epoch (_log_epoch_metrics).
         if stage == "train":
-            self._log_step_loss(loss)
+            self.log("train/loss", loss, prog_bar=True)  # this rank's loss at each step: the training curve
         return loss
 
-    def _log_step_loss(self, loss: torch.Tensor) -> None:
-        # Straight to the loggers at the steps Lightning would log, not through self.log: that costs ~0.3 ms a call
-        # (Lightning walks and partly deep-copies its whole record of the metric every time), a tenth of a small
-        # model's step. Loggers write on rank 0 only, so only rank 0 reads the value. The progress bar shows the
-        # loss from training_step's output.
-        trainer, every = self.trainer, self.trainer.log_every_n_steps
-        if trainer.is_global_zero and self.loggers and every and (self.global_step + 1) % every == 0:
-            value = loss.item()
-            for logger in self.loggers:
-                logger.log_metrics({"train/loss": value}, step=self.global_step)
-
     def _log_epoch_metrics(self, stage: str) -> None:
-        # Once per epoch, not from every step, for the same reason. Lightning computes each Metric over every
-        # sample of every rank (exact under DDP) and resets it.
         if stage != "train" and self.evaluates_on_rank_zero:
             self._log_rank_zero_result(stage)
             return
@@ -229,30 +216,8 @@ class Classifier(L.LightningModule):
         }
 
     def on_train_start(self) -> None:
-        hp, trainer = self.hparams, self.trainer
-        if hp.max_schedule is not None:
-            max_schedule = hp.max_schedule
-        elif hp.schedule_unit == "epoch":
-            max_schedule = trainer.max_epochs
-        else:
-            max_schedule = trainer.max_steps
-        if max_schedule is None or max_schedule < 0:
-            raise ValueError(
-                f"max_schedule is None and the trainer sets no max_{hp.schedule_unit}s: set model.max_schedule"
-            )
-        if hp.warmup > max_schedule:
-            raise ValueError(f"warmup ({hp.warmup}) must be <= max_schedule ({max_schedule} {hp.schedule_unit}s)")
-        per_unit = 1
-        if hp.schedule_unit == "epoch" and hp.interval == "step":
-            per_unit = self.steps_per_epoch()
-        warmup, total = hp.warmup * per_unit, max_schedule * per_unit
-        scheduler = trainer.lr_scheduler_configs[0].scheduler
-        scheduler.warmup_start_lr = hp.lr / max(warmup, 1) if hp.warmup_start_lr is None else hp.warmup_start_lr
-        scheduler.set_horizon(warmup, total)
-
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps per epoch on this rank, as Lightning counts them (limits and accumulation included)."""
-        batches = self.trainer.num_training_batches
-        if batches == float("inf"):
-            raise ValueError("the train loader has no length: give warmup and max_schedule in steps")
-        return max(1, -(-int(batches) // self.trainer.accumulate_grad_batches))
+        # The schedule's length is known only now (epochs, steps per epoch, limits, accumulation, a short debug run).
+        hp = self.hparams
+        self.lr_schedulers().fit_to(
+            self.trainer, hp.warmup, hp.max_schedule, hp.schedule_unit, hp.interval, hp.lr, hp.warmup_start_lr
+        )

@@ -74,9 +74,26 @@ def test_loader_state_resumes_on_the_next_batch():
     resumed = loader()
     resumed.load_state_dict(state)
     assert head + [x.tolist() for x, _ in resumed] == expected
-    # saved at an epoch's end: the next epoch starts from its first batch
-    done = loader()
-    done.load_state_dict({"epoch": 2, "batches": len(done)})
+    # saved at an epoch's end (ran out, or cut short by limit_train_batches: 3 of 7 batches): Lightning sets the next
+    # epoch before iterating, and that epoch starts from its first batch
     nxt = loader()
     nxt.sampler.set_epoch(3)
-    assert [x.tolist() for x, _ in done] == [x.tolist() for x, _ in nxt]
+    first_of_epoch_3 = [x.tolist() for x, _ in nxt]
+    for batches in (len(nxt), 3):
+        done = loader()
+        done.load_state_dict({"epoch": 2, "batches": batches})
+        done.sampler.set_epoch(3)
+        assert [x.tolist() for x, _ in done] == first_of_epoch_3
+
+
+def test_a_loader_with_another_sampler_resumes_by_dropping_the_consumed_batches():
+    """overfit_batches: Lightning rebuilds the train loader with a SequentialSampler; it still iterates and resumes."""
+    from torch.utils.data import SequentialSampler
+
+    data = TensorBatchDataset(torch.arange(20), torch.arange(20))
+    loader = ResumableDataLoader(data, sampler=SequentialSampler(data), batch_size=4)
+    expected = [x.tolist() for x, _ in loader]
+    assert expected == [list(range(i, i + 4)) for i in range(0, 20, 4)]
+    resumed = ResumableDataLoader(data, sampler=SequentialSampler(data), batch_size=4)
+    resumed.load_state_dict({"epoch": 0, "batches": 2})
+    assert [x.tolist() for x, _ in resumed] == expected[2:]

@@ -7,21 +7,28 @@ from lightning.pytorch.cli import SaveConfigCallback
 
 
 class SaveConfigOnce(SaveConfigCallback):
-    """Saves the run's config as ``config.yaml``; a resumed run adds ``config.1.yaml``, ``config.2.yaml``, ...
+    """Saves the run's config as ``<run>/config.yaml``; a resumed run adds ``config.1.yaml``, ``config.2.yaml``, ...
 
-    Lightning's callback refuses to start when ``config.yaml`` exists, which a resumed run always meets;
-    overwriting it would lose how the run began. Only rank 0 looks at the folder; the choice is broadcast.
+    Lightning's callback writes into the first logger's folder (MLflow's store, or nowhere without a logger) and
+    refuses to start when ``config.yaml`` exists, which a resumed run always meets; overwriting it would lose how
+    the run began. Here it goes into the run folder (``trainer.default_root_dir``, which the CLI sets to it). Only
+    rank 0 looks at the folder; the choice is broadcast.
     """
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.already_saved or not self.save_to_log_dir:
-            return super().setup(trainer, pl_module, stage)
-        log_dir = trainer.log_dir
-        name = "config.yaml"
-        if trainer.is_global_zero and log_dir is not None:
-            n = 0
-            while os.path.exists(os.path.join(log_dir, name)):
-                n += 1
-                name = f"config.{n}.yaml"
-        self.config_filename = trainer.strategy.broadcast(name)
-        super().setup(trainer, pl_module, stage)
+        if self.already_saved:
+            return
+        if self.save_to_log_dir:
+            run_dir = trainer.strategy.broadcast(trainer.default_root_dir)
+            name = "config.yaml"
+            if trainer.is_global_zero:
+                n = 0
+                while os.path.exists(os.path.join(run_dir, name)):
+                    n += 1
+                    name = f"config.{n}.yaml"
+                os.makedirs(run_dir, exist_ok=True)
+                self.parser.save(self.config, os.path.join(run_dir, name), skip_none=False, multifile=self.multifile)
+        if trainer.is_global_zero:
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)

@@ -1,5 +1,6 @@
 """Loaders that resume mid-epoch exactly and evaluate every sample exactly once across ranks: ``make_loader``."""
 
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -41,18 +42,31 @@ class ResumableSampler(DistributedSampler):
 class ResumableDataLoader(DataLoader):
     """A DataLoader whose position in the epoch goes into Lightning checkpoints.
 
-    Lightning saves ``state_dict()`` of any train loader that has one. For a loader with a length, its fetcher
-    prefetches nothing, so the batches handed out are exactly the batches the training loop has consumed. The
-    loader's ``generator`` is re-seeded per epoch so that the workers' base seed never draws from, and never
-    shifts, the global RNG that dropout uses.
+    Lightning saves ``state_dict()`` of any train loader that has one: the epoch and how many batches were handed
+    out. For a loader with a length, its fetcher prefetches nothing, so those are exactly the batches the training
+    loop consumed. On resume the batches already consumed are skipped, but only in that same epoch: Lightning
+    sets the sampler's epoch before iterating, and a checkpoint taken at an epoch's end (whether the epoch ran
+    out or was cut short by ``limit_train_batches``) resumes with the next epoch. With a ``ResumableSampler`` the
+    skipped samples are never loaded; with another sampler (``overfit_batches`` swaps in a ``SequentialSampler``)
+    they are loaded and dropped. The ``generator`` is re-seeded per epoch so that the workers' base seed never draws
+    from, and never shifts, the global RNG that dropout uses.
     """
+
+    _restore: tuple[int, int] | None = None  # (epoch, batches) from a checkpoint, applied when that epoch starts
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
-        assert isinstance(sampler, ResumableSampler), "ResumableDataLoader needs a ResumableSampler"
-        self._epoch, self._yielded = sampler.epoch, sampler.skip // self.batch_size
-        self.generator = torch.Generator().manual_seed(sampler.seed + 7919 * (sampler.epoch + 1))
-        for batch in super().__iter__():
+        epoch = getattr(sampler, "epoch", 0)
+        skip = self._restore[1] if self._restore is not None and self._restore[0] == epoch else 0
+        self._restore = None
+        self._epoch, self._yielded = epoch, skip
+        if isinstance(sampler, ResumableSampler):
+            sampler.skip = skip * (self.batch_size or 1)
+            self.generator = torch.Generator().manual_seed(sampler.seed + 7919 * (epoch + 1))
+            batches = super().__iter__()
+        else:
+            batches = itertools.islice(super().__iter__(), skip, None)
+        for batch in batches:
             self._yielded += 1
             yield batch
 
@@ -60,13 +74,9 @@ class ResumableDataLoader(DataLoader):
         return {"epoch": getattr(self, "_epoch", 0), "batches": getattr(self, "_yielded", 0)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        sampler = self.sampler
-        assert isinstance(sampler, ResumableSampler)
-        if state["batches"] >= len(self):  # saved at the end of an epoch: the next one starts fresh
-            sampler.set_epoch(state["epoch"] + 1)
-        else:
-            sampler.set_epoch(state["epoch"])
-            sampler.skip = state["batches"] * self.batch_size
+        self._restore = (state["epoch"], state["batches"])
+        if isinstance(self.sampler, ResumableSampler):
+            self.sampler.set_epoch(state["epoch"])  # Lightning sets the epoch it resumes in before iterating
 
 
 class TensorBatchDataset(Dataset):

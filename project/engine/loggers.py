@@ -56,3 +56,33 @@ class ThrottledTensorBoardLogger(TensorBoardLogger):
         if self._experiment is not None:
             self.flush()
         super().finalize(status)
+
+
+class HeldUntilCheckpoint:
+    """Stands in for a logger's ``log_metrics``: values wait until the next checkpoint, then go out in order.
+
+    For loggers that cannot drop points (MLflow, W&B): a run killed after a checkpoint is resumed from it and logs
+    the steps after it again, which such a logger would then hold twice. Held back, only values up to a checkpoint
+    ever reach it, so a resumed run continues it with no step twice and none missing. The cost: what it shows lags
+    by up to one checkpoint interval, and the values since the last checkpoint are lost with a killed process
+    (the resumed run logs them again).
+    """
+
+    def __init__(self, logger: Any) -> None:
+        self.logger, self.log_metrics = logger, logger.log_metrics
+        self.pending: list[tuple[dict[str, float], int | None]] = []
+        logger.log_metrics = self.hold
+
+    def hold(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        self.pending.append((dict(metrics), step))
+
+    def release(self) -> None:
+        pending, self.pending = self.pending, []
+        for metrics, step in pending:
+            self.log_metrics(metrics, step)
+        if pending:
+            self.logger.save()
+
+    def detach(self) -> None:
+        self.release()
+        self.logger.log_metrics = self.log_metrics

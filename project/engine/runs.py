@@ -1,32 +1,82 @@
-"""Where runs live: ``<save_dir>/<name>/version_N/`` holds a run's events, ``config.yaml`` and ``checkpoints/``.
+"""Where runs live, whatever logs them: ``<root>/<name>/version_N/`` holds a run's ``config.yaml``, ``checkpoints/``,
+``run.json`` and what its loggers write locally.
 
-Lightning gives every invocation a new ``version_N`` and looks for ``--ckpt_path last`` only inside it, so a
-plain resume finds nothing and silently trains from scratch. Here ``last`` means the newest loadable checkpoint
-of any version, and ``fit`` from it (or from a run's ``last*.ckpt``) continues in that run's folder, so its
-curves go on; TensorBoard drops what the interrupted run logged after the checkpoint (``purge_step``). ``fit``
-from any other checkpoint branches into a new version, which never overwrites the files of the run it came from.
+Lightning leaves the folder to the first logger (without one, every run writes the same ``checkpoints/``) and looks
+for ``--ckpt_path last`` only inside a brand-new version, so a plain resume trains from scratch. Here the engine picks
+the folder before anything is built, points every logger it knows into it (TensorBoard, CSV, MLflow, W&B) and every
+``ModelCheckpoint`` without a ``dirpath`` at its ``checkpoints/``. ``last`` is the newest loadable checkpoint of any
+version; ``fit`` from it (or from a run's ``last*.ckpt``) continues that run: the same folder and TensorBoard/CSV
+version (the points logged after the checkpoint are dropped), the same MLflow and W&B run (ids kept in ``run.json``).
+``fit`` from any other checkpoint branches into a new version and never writes into the run it came from.
 """
 
+import csv
+import importlib
+import json
 import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from project.engine.checkpoints import CheckpointLoadError, load_checkpoint_file
 
+RUN_RECORD = "run.json"  # the run's logger ids, for a resume to continue the same MLflow/W&B run
+
+
+class Runs:
+    """Where runs are kept: ``<root>/<name>/version_N/``, one folder per invocation (a resumed ``fit`` continues its
+    run's folder). Every logger writes there (MLflow: into its own store, the run named ``<name>/version_N``).
+
+    Args:
+        root: Folder that holds every kind of run.
+        name: Subfolder for this kind of run; ``None``: named after the data module (``DigitsDataModule``: ``digits``).
+    """
+
+    def __init__(self, root: str = "runs", name: str | None = None) -> None:
+        if name is not None and (not name or "/" in name or name in (".", "..")):
+            raise ValueError(f"run.name ({name!r}) must be one folder name, without '/'")
+        self.root, self.name = root, name
+
 
 class ResumeError(ValueError):
     """A ``--ckpt_path`` that cannot be resumed from; the message names the file and what to do."""
 
 
-def _tensorboard_init_args(trainer_config: Namespace) -> Namespace | None:
-    logger = trainer_config.get("logger")
-    if isinstance(logger, list):
-        logger = logger[0] if len(logger) == 1 else None
-    if not isinstance(logger, Namespace) or not str(logger.get("class_path")).endswith("TensorBoardLogger"):
-        return None
-    return logger.init_args
+@dataclass
+class RunPlan:
+    """What the engine decided before anything was built; every rank of a run ends up with rank 0's decision."""
+
+    dir: Path
+    continues: bool = False  # fit continues this run's folder and loggers
+    resumed_from: Path | None = None
+    global_step: int | None = None
+    record: dict[str, Any] = field(default_factory=dict)  # run.json of the continued run
+
+    @property
+    def version(self) -> int:
+        return int(self.dir.name.split("_", 1)[1])
+
+
+def default_name(data_class_path: str | None) -> str:
+    """``project.data.DigitsDataModule`` -> ``digits``, ``MNIST1DDataModule`` -> ``mnist1d``, ``ImageNet`` ->
+    ``image_net``: a run is filed under what it trains on."""
+    name = (data_class_path or "").rsplit(".", 1)[-1]
+    for suffix in ("DataModule", "Datamodule", "Dataset", "Data"):
+        if name.endswith(suffix) and name != suffix:
+            name = name[: -len(suffix)]
+            break
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", name).lower() or "runs"
+
+
+def family_dir(config: Namespace) -> Path:
+    runs = config.get("run") or Namespace(root="runs", name=None)
+    data = config.get("data")
+    data_class = data.get("class_path") if isinstance(data, Namespace) else None
+    return Path(runs.root) / (runs.name or default_name(data_class))
 
 
 def read_global_step(path: Path) -> int:
@@ -52,9 +102,9 @@ def _checkpoints_newest_first(folder: Path, pattern: str = "*/checkpoints/*.ckpt
     return sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
-def find_last_checkpoint(runs_dir: Path) -> tuple[Path, int] | None:
-    """The most recently written checkpoint under ``runs_dir/*/checkpoints/`` that loads, and its global step."""
-    for path in _checkpoints_newest_first(runs_dir):
+def find_last_checkpoint(family: Path) -> tuple[Path, int] | None:
+    """The most recently written checkpoint under ``family/*/checkpoints/`` that loads, and its global step."""
+    for path in _checkpoints_newest_first(family):
         try:
             return path, read_global_step(path)
         except ResumeError as error:
@@ -62,42 +112,43 @@ def find_last_checkpoint(runs_dir: Path) -> tuple[Path, int] | None:
     return None
 
 
-def check_save_dir(config: Namespace) -> None:
-    """Raises ``ValueError`` before anything runs if the logger's ``save_dir`` cannot become a writable folder.
+def next_version_dir(family: Path) -> Path:
+    versions = [int(p.name[8:]) for p in family.glob("version_*") if p.is_dir() and p.name[8:].isdigit()]
+    return family / f"version_{max(versions, default=-1) + 1}"
 
-    Otherwise a run would fail once started, in a traceback from deep inside the logger.
+
+def check_save_dir(family: Path) -> None:
+    """Raises ``ValueError`` before anything runs if the runs folder cannot become a writable folder.
+
+    Otherwise a run would fail once started, in a traceback from deep inside a logger or checkpoint writer.
     """
-    logger_args = _tensorboard_init_args(config["trainer"])
-    if logger_args is None:
-        return
-    save_dir = Path(logger_args["save_dir"])
-    existing = save_dir
+    existing = family
     while not existing.exists() and existing != existing.parent:  # the part of the path that is there
         existing = existing.parent
-    flag = "--trainer.logger.init_args.save_dir"
+    flag = "--run.root"
     if not existing.is_dir():
-        raise ValueError(f"{flag} {save_dir}: {existing} is a file, not a folder. Choose another {flag}.")
+        raise ValueError(f"{flag} {family.parent}: {existing} is a file, not a folder. Choose another {flag}.")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {save_dir}: the folder {existing} is not writable. Choose another {flag}.")
+        raise ValueError(f"{flag} {family.parent}: the folder {existing} is not writable. Choose another {flag}.")
 
 
-def resolve_resume(config: Namespace, continue_run: bool) -> None:
-    """Rewrites ``ckpt_path`` (and, when ``continue_run``, the logger's ``version``) of a subcommand's config.
+def plan_run(config: Namespace, subcommand: str) -> RunPlan:
+    """Resolves ``ckpt_path`` (``last``: the newest loadable checkpoint) and picks the run folder.
 
-    Only ``fit`` continues a run's folder: ``validate``/``test``/``predict`` of a checkpoint log into a folder
-    of their own, so they never add points to the training curves.
+    Only ``fit`` continues a run's folder: ``validate``/``test``/``predict`` of a checkpoint get a folder of their
+    own, so they never add points to the training curves.
     """
+    family = family_dir(config)
+    check_save_dir(family)
     ckpt_path = config.get("ckpt_path")
     if ckpt_path is None or ckpt_path in ("best", "hpc", "registry"):
-        return
-    logger_args = _tensorboard_init_args(config["trainer"])
-    runs_dir = Path(logger_args["save_dir"]) / (logger_args.get("name") or "lightning_logs") if logger_args else None
+        return RunPlan(next_version_dir(family))
     if ckpt_path == "last":
-        found = find_last_checkpoint(runs_dir) if runs_dir is not None else None
+        found = find_last_checkpoint(family)
         if found is None:
-            rank_zero_info(f"--ckpt_path last: no checkpoint under {runs_dir}/*/checkpoints/; starting from scratch.")
+            rank_zero_info(f"--ckpt_path last: no checkpoint under {family}/*/checkpoints/; starting from scratch.")
             config["ckpt_path"] = None
-            return
+            return RunPlan(next_version_dir(family))
         path, global_step = found
         rank_zero_info(f"--ckpt_path last: resuming from {path} (global step {global_step})")
         config["ckpt_path"] = str(path)
@@ -113,7 +164,94 @@ def resolve_resume(config: Namespace, continue_run: bool) -> None:
             hint = f" The newest other checkpoint beside it is {good}." if good else ""
             raise ResumeError(f"{error}.{hint} Resume from another file, or from 'last'.") from None
         continues = path.name.startswith("last")
-    run_dir = path.resolve().parent.parent
-    if continue_run and continues and runs_dir is not None and run_dir.parent == runs_dir.resolve():
-        logger_args["version"] = run_dir.name
-        logger_args["purge_step"] = global_step  # steps >= this one were logged by the interrupted run
+    run_dir = path.resolve().parent.parent  # <run>/checkpoints/<file>.ckpt
+    if subcommand == "fit" and continues and run_dir.parent == family.resolve() and run_dir.name[8:].isdigit():
+        record_file = run_dir / RUN_RECORD
+        record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+        return RunPlan(family / run_dir.name, True, path, global_step, record)
+    return RunPlan(next_version_dir(family), resumed_from=path, global_step=global_step)
+
+
+def _logger_class(item: Namespace) -> type | None:
+    module, _, name = str(item.get("class_path")).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def logger_configs(trainer_config: Namespace) -> list[Namespace]:
+    loggers = trainer_config.get("logger")
+    items = loggers if isinstance(loggers, list) else [loggers]
+    return [item for item in items if isinstance(item, Namespace) and item.get("class_path")]
+
+
+def point_loggers_at(plan: RunPlan, trainer_config: Namespace) -> list[str]:
+    """Sets each known logger's arguments so that it writes into (or continues) the planned run; returns the class
+    names of loggers it does not know, which Lightning places as they say."""
+    from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+
+    trainer_config["default_root_dir"] = str(plan.dir)  # Lightning's folder when there is no logger
+    family, unknown = plan.dir.parent, []
+    for item in logger_configs(trainer_config):
+        cls, args = _logger_class(item), item.init_args
+        if cls is None:
+            continue
+        if issubclass(cls, (TensorBoardLogger, CSVLogger)):
+            args["save_dir"], args["name"], args["version"] = str(family.parent), family.name, plan.version
+            if issubclass(cls, TensorBoardLogger):
+                # steps >= this one were logged by the interrupted run; TensorBoard drops them from the file
+                args["purge_step"] = plan.global_step if plan.continues else None
+        elif issubclass(cls, MLFlowLogger):
+            if args.get("experiment_name") in (None, "lightning_logs"):
+                args["experiment_name"] = family.name
+            args["run_name"] = f"{family.name}/{plan.dir.name}"
+            args["run_id"] = plan.record.get("mlflow_run_id") if plan.continues else None
+        elif issubclass(cls, WandbLogger):
+            args["save_dir"] = str(plan.dir)
+            args["project"] = args.get("project") or family.name
+            args["name"] = f"{family.name}/{plan.dir.name}"
+            args["id"] = args["version"] = plan.record.get("wandb_id") if plan.continues else None
+        else:
+            unknown.append(cls.__name__)
+    return unknown
+
+
+def keep_csv_history(plan: RunPlan, loggers: list[Any]) -> None:
+    """A continued run's CSV file keeps every row before the checkpoint's step and none after it.
+
+    Lightning's CSV writer deletes ``metrics.csv`` of a folder that is not empty when it starts; called on rank 0
+    before the Trainer starts the writer, this starts it here and puts the rows back.
+    """
+    from lightning.pytorch.loggers import CSVLogger
+
+    for logger in loggers:
+        if not (plan.continues and isinstance(logger, CSVLogger)):
+            continue
+        path = Path(logger.log_dir) / "metrics.csv"
+        rows: list[dict[str, str]] = []
+        if path.is_file():
+            with open(path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if r.get("step", "") == "" or int(r["step"]) < plan.global_step]
+        _ = logger.experiment  # the writer starts and removes the file
+        if rows:
+            with open(path, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
+
+
+def write_record(run_dir: Path, loggers: list[Any]) -> None:
+    """``run.json``: the ids a resume needs to continue the same MLflow/W&B run (atomically replaced)."""
+    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+
+    record: dict[str, Any] = {}
+    for logger in loggers:
+        if isinstance(logger, MLFlowLogger) and logger.run_id:
+            record["mlflow_run_id"] = logger.run_id
+        elif isinstance(logger, WandbLogger):
+            record["wandb_id"] = logger.experiment.id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f"{RUN_RECORD}.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, run_dir / RUN_RECORD)

@@ -1,7 +1,10 @@
 """Linear warmup followed by cosine annealing, computed in closed form from the step count."""
 
 import math
+import sys
+from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -68,6 +71,29 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
         self.warmup_epochs, self.max_epochs = warmup_epochs, max_epochs
         self._apply_lr()
 
+    def fit_to(
+        self,
+        trainer: Any,
+        warmup: int,
+        max_schedule: int | None,
+        unit: str,
+        interval: str,
+        lr: float,
+        warmup_start_lr: float | None,
+    ) -> None:
+        """Sets the horizon for this run, once its length is known (``on_train_start``): ``warmup`` and
+        ``max_schedule`` in ``unit`` (epoch or step), converted to scheduler steps (one per ``interval``).
+
+        ``max_schedule=None`` spans the run: ``max_epochs`` epochs, or ``max_steps`` when that ends it sooner (also
+        ``fast_dev_run`` and ``max_epochs: -1``). A run shorter than its warmup still trains: the warmup is
+        shortened to the run and one line says so.
+        """
+        warmup_steps, total, note = _horizon(trainer, warmup, max_schedule, unit, interval)
+        self.warmup_start_lr = lr / max(warmup_steps, 1) if warmup_start_lr is None else warmup_start_lr
+        self.set_horizon(warmup_steps, total)
+        if note:
+            rank_zero_info(f"LR schedule: {note}")
+
     def load_state_dict(self, state_dict: dict) -> None:
         # Re-derive the rate from the restored step, whatever order the optimizer's own state was loaded in.
         super().load_state_dict(state_dict)
@@ -84,3 +110,45 @@ def _check_horizon(warmup_epochs: int, max_epochs: int) -> None:
         raise ValueError(f"warmup_epochs ({warmup_epochs}) and max_epochs ({max_epochs}) must be >= 0")
     if warmup_epochs > max_epochs:
         raise ValueError(f"warmup_epochs ({warmup_epochs}) must be <= max_epochs ({max_epochs})")
+
+
+def _horizon(trainer: Any, warmup: int, max_schedule: int | None, unit: str, interval: str) -> tuple[int, int, str]:
+    """(warmup, total) in scheduler steps, and what was adapted (empty when nothing was)."""
+    batches = trainer.num_training_batches
+    per_epoch = max(1, -(-int(batches) // trainer.accumulate_grad_batches)) if batches != float("inf") else None
+    max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
+    max_steps = trainer.max_steps if trainer.max_steps >= 0 else None
+    if unit == "epoch" and interval == "step":
+        if per_epoch is None:
+            raise ValueError("the train loader has no length: give model.warmup and model.max_schedule in steps")
+        to_steps = per_epoch
+    elif unit == "step" and interval == "epoch":
+        raise ValueError("interval='epoch' steps the schedule once per epoch: give it schedule_unit='epoch'")
+    else:
+        to_steps = 1
+    warmup_steps = warmup * to_steps
+    if max_schedule is not None:
+        return warmup_steps, max_schedule * to_steps, ""
+    # The run's length in scheduler steps: whichever of max_epochs and max_steps ends it first.
+    if interval == "step":
+        lengths = [n for n in (max_steps, max_epochs * per_epoch if max_epochs and per_epoch else None) if n]
+    else:
+        lengths = [n for n in (max_epochs, -(-max_steps // per_epoch) if max_steps and per_epoch else None) if n]
+    if not lengths:
+        return (
+            warmup_steps,
+            sys.maxsize // 2,
+            "this run has no set end, so after the warmup the rate stays at lr; set model.max_schedule to decay it",
+        )
+    total = min(lengths)
+    what = "steps" if interval == "step" else "epochs"
+    if warmup_steps > total:
+        return (
+            total,
+            total,
+            (
+                f"warmup ({warmup} {unit}s = {warmup_steps} {what}) is longer than this run ({total} {what}): warmup "
+                f"shortened to {total} {what}, no cosine decay"
+            ),
+        )
+    return warmup_steps, total, ""

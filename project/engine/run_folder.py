@@ -1,0 +1,59 @@
+"""The run folder at run time: every rank takes rank 0's folder, checkpoints land in it, logger ids are recorded."""
+
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from project.engine.loggers import HeldUntilCheckpoint
+from project.engine.runs import RunPlan, write_record
+
+
+class RunFolder(Callback):
+    """Puts what a run writes into the folder the CLI planned (``project.engine.runs``).
+
+    - Each ``ModelCheckpoint`` without a ``dirpath`` writes to ``<run>/checkpoints`` (rank 0's folder, broadcast:
+      under torchrun each rank planned alone and may have seen another newest version).
+    - ``run.json`` records the MLflow/W&B run ids at the start of ``fit``, for a resume to continue those runs.
+    - During ``fit``, loggers that cannot drop points (all but TensorBoard and CSV, which drop what a killed run
+      logged after its checkpoint) receive values only at checkpoints (``HeldUntilCheckpoint``).
+    """
+
+    def __init__(self, plan: RunPlan) -> None:
+        self.plan = plan
+        self.dir: Path = plan.dir
+        self._held: list[HeldUntilCheckpoint] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.dir = Path(trainer.strategy.broadcast(str(self.plan.dir)))
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = str(self.dir / "checkpoints")
+        if stage == "fit" and trainer.is_global_zero:
+            self._held = [
+                HeldUntilCheckpoint(logger)
+                for logger in trainer.loggers
+                if not isinstance(logger, (TensorBoardLogger, CSVLogger))
+            ]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            write_record(self.dir, trainer.loggers)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        for held in self._held:
+            held.release()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning calls this only when the stage finished: the last values go out (RunSummary's among them).
+        for held in self._held:
+            held.detach()
+        self._held = []
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # What was logged after the last checkpoint is dropped: the resumed run logs those steps again.
+        for held in self._held:
+            held.pending.clear()
+            held.detach()
+        self._held = []
