@@ -45,3 +45,16 @@ def run_dirs(cwd: Path, name: str = "digits") -> list[Path]:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+def cli_in_process(*args: str, root: Path):
+    """Runs ``python -m project ARGS`` in this process, its runs under ``root``; returns the LightningCLI.
+
+    Single-process runs only (Lightning's ``ddp`` re-executes ``sys.argv``: DDP goes through ``cli``).
+    """
+    from unittest import mock
+
+    from project.engine.cli import cli_main
+
+    with mock.patch.object(sys, "argv", ["project"]):  # pytest's own arguments are not the CLI's
+        return cli_main([args[0], "--run.root", str(root), *args[1:]])

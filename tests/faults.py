@@ -118,3 +118,26 @@ class DiskFullOnSave(AtomicCheckpointIO):
         f.write(buffer.getvalue()[: buffer.tell() // 2])
         f.flush()
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class Probe(L.Callback):
+    """Records what each flag changes: batches per epoch, validation runs, sanity batches, gradient norms."""
+
+    def __init__(self) -> None:
+        self.batches: dict[int, list[int]] = {}  # epoch -> hash of each training batch
+        self.val_runs = self.sanity_batches = 0
+        self.grad_norms: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.setdefault(trainer.current_epoch, []).append(hash(batch[1].numpy().tobytes()))
+
+    def on_validation_batch_end(self, trainer, *_):
+        self.sanity_batches += trainer.sanity_checking
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self.val_runs += not trainer.sanity_checking
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):  # after the step: the clipped gradients
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            self.grad_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())

@@ -46,8 +46,33 @@ def test_invalid_arguments_fail_at_construction(kwargs, message):
         Classifier(MLP(), **kwargs)
 
 
-def test_warmup_longer_than_training_fails_before_the_first_step(tmp_path):
-    trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
-    with pytest.raises(ValueError, match=r"warmup \(15\) must be <= max_schedule \(2 epochs\)"):
-        trainer.fit(Classifier(MLP()), DigitsDataModule())
-    assert trainer.global_step == 0
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "warmup", "steps", "warmup_steps"),
+    [
+        ({"max_epochs": 1}, 15, 20, 20),  # warmup 15 epochs > the 1-epoch run: shortened to the run
+        ({"fast_dev_run": 2}, 15, 2, 2),
+        ({"max_epochs": -1, "max_steps": 7}, 15, 7, 7),
+        ({"max_epochs": 30, "max_steps": 25}, 1, 25, 20),  # max_steps ends it first: the schedule spans 25 steps
+    ],
+)
+def test_the_schedule_fits_a_run_shorter_than_its_warmup(trainer_kwargs, warmup, steps, warmup_steps, tmp_path):
+    lrs: list[float] = []
+
+    class RecordLR(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, *_):
+            lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    trainer = L.Trainer(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=tmp_path, callbacks=[RecordLR()], **trainer_kwargs,
+    )  # fmt: skip
+    model = Classifier(MLP(), lr=0.01, warmup=warmup)  # max_schedule None: the run's length
+    trainer.fit(model, DigitsDataModule())
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert trainer.global_step == steps == len(lrs)
+    assert (scheduler.warmup_epochs, scheduler.max_epochs) == (warmup_steps, steps)
+    # the closed form with the adapted horizon: linear from lr/W up to lr over the W warmup steps
+    w = warmup_steps
+    warmup = [0.01 / w + t * (0.01 - 0.01 / w) / max(1, w - 1) for t in range(w)]
+    assert lrs[:w] == pytest.approx(warmup)
+    assert all(lr < 0.01 for lr in lrs[w + 1 :])  # then the cosine decay, when the run is longer than the warmup

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -17,6 +17,7 @@ from project.engine.checkpoints import check_fits
 from project.engine.config import SaveConfigOnce
 from project.engine.distributed import DestroyProcessGroup
 from project.engine.errors import check_yaml_files, one_line_errors, root_cause
+from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
 from project.engine.resume import ExactResume
 from project.engine.run_folder import RunFolder
@@ -29,6 +30,7 @@ SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 class CLI(LightningCLI):
     run_plan: RunPlan | None = None
+    unknown_loggers: list[str] = []
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(Runs, "run")
@@ -69,8 +71,11 @@ class CLI(LightningCLI):
         # config brings wins.
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(TQDMProgressBar(refresh_rate=10, leave=False))
+        if config.get("enable_checkpointing") is False and any(isinstance(c, ModelCheckpoint) for c in callbacks):
+            # Lightning refuses ModelCheckpoint callbacks with checkpointing off; the flag is the user's intent
+            callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
         if self.run_plan is not None:
-            callbacks.append(RunFolder(self.run_plan))
+            callbacks += [RunFolder(self.run_plan), Guarantees(self.run_plan, self.unknown_loggers)]
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 

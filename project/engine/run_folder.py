@@ -5,6 +5,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.logger import DummyLogger
 
 from project.engine.loggers import HeldUntilCheckpoint
 from project.engine.runs import RunPlan, write_record
@@ -34,11 +35,11 @@ class RunFolder(Callback):
             self._held = [
                 HeldUntilCheckpoint(logger)
                 for logger in trainer.loggers
-                if not isinstance(logger, (TensorBoardLogger, CSVLogger))
+                if not isinstance(logger, (TensorBoardLogger, CSVLogger, DummyLogger))
             ]
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and not trainer.fast_dev_run:  # which writes nothing, as Lightning documents
             write_record(self.dir, trainer.loggers)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:

@@ -1,0 +1,65 @@
+"""The one line a run starts with: where it writes, what it resumed from, and which guarantee user code opted out of."""
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.logger import DummyLogger
+
+from project.engine.loaders import ResumableDataLoader, ResumableSampler
+from project.engine.runs import RunPlan
+
+
+class Guarantees(Callback):
+    """Rank 0 prints, when training starts, e.g.
+    ``Run runs/digits/version_3 (continues from step 50) | exact resume: yes, also mid-epoch | logs: TensorBoard``
+    and after ``opts out:`` each guarantee the configuration or user code gives up, with the reason.
+    """
+
+    def __init__(self, plan: RunPlan, unknown_loggers: list[str]) -> None:
+        self.plan, self.unknown_loggers = plan, unknown_loggers
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            print(self.line(trainer), flush=True)
+
+    def line(self, trainer: L.Trainer) -> str:
+        plan = self.plan
+        if plan.continues:
+            start = f"continues from step {plan.global_step}"
+        elif plan.resumed_from is not None:
+            start = f"new version, from {plan.resumed_from} (step {plan.global_step})"
+        else:
+            start = "fresh"
+        out: list[str] = []
+        checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        if not checkpoints:
+            out.append("checkpointing is off: nothing to resume from")
+        loaders = _flat(trainer.train_dataloader)
+        if any(not isinstance(dl, ResumableDataLoader) for dl in loaders):
+            out.append("a train loader not built by make_loader: a mid-epoch resume restarts that epoch's data order")
+        elif any(not isinstance(dl.sampler, ResumableSampler) for dl in loaders):
+            out.append("overfit_batches: a mid-epoch resume loads the consumed batches again to skip them")
+        if not torch.are_deterministic_algorithms_enabled() and trainer.strategy.root_device.type == "cuda":
+            out.append("deterministic is off: nondeterministic CUDA kernels, so a resume is close, not bitwise equal")
+        out += [
+            f"logger {name}: unknown to the engine, a resume starts a new run in it" for name in self.unknown_loggers
+        ]
+        loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]  # fast_dev_run's
+        logs = ", ".join(type(logger).__name__ for logger in loggers) or "none"
+        held = [type(lg).__name__ for lg in loggers if not isinstance(lg, (TensorBoardLogger, CSVLogger))]
+        if held:
+            logs += f" ({', '.join(held)}: values handed over at each checkpoint)"
+        exact = "yes, also mid-epoch" if not out else "see opts out"
+        line = f"Run {trainer.default_root_dir} ({start}) | exact resume: {exact} | logs: {logs}"
+        return line + (" | opts out: " + "; ".join(out) if out else "")
+
+
+def _flat(loaders: Any) -> list[Any]:
+    if isinstance(loaders, dict):
+        return [dl for value in loaders.values() for dl in _flat(value)]
+    if isinstance(loaders, (list, tuple)):
+        return [dl for value in loaders for dl in _flat(value)]
+    return [] if loaders is None else [loaders]
