@@ -71,8 +71,9 @@ class CLI(LightningCLI):
         # config brings wins.
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(TQDMProgressBar(refresh_rate=10, leave=False))
-        if config.get("enable_checkpointing") is False and any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            # Lightning refuses ModelCheckpoint callbacks with checkpointing off; the flag is the user's intent
+        if config.get("enable_checkpointing") is False or config.get("fast_dev_run"):
+            # Lightning refuses ModelCheckpoint callbacks with checkpointing off, and under fast_dev_run (which
+            # documents "checkpointing is suppressed") 2.6 still writes last.ckpt at the end: the flag is the intent
             callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
         if self.run_plan is not None:
             callbacks += [RunFolder(self.run_plan), Guarantees(self.run_plan, self.unknown_loggers)]
