@@ -40,8 +40,10 @@ SKELETON = Path(__file__).resolve().parent / "skeleton"
 TEMPLATE_ONLY = (
     Path(__file__).resolve().relative_to(ROOT).as_posix(),
     "tests/test_new_project.py",
+    "tests/test_template_update.py",
     "scripts/skeleton/",
 )
+RECORD = ".template.json"  # in the copy: the template commit and the answers it was made from; --update reads it
 EXAMPLE_WORD = "digits"  # --no-example leaves out the tests that mention it
 # fmt: off
 LEFT_OUT_DIRS = {".git", ".hg", ".svn", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache",
@@ -254,6 +256,11 @@ def template_files() -> list[Path]:
     return sorted(p for p in paths if ((ROOT / p).is_file() or (ROOT / p).is_symlink()) and not _left_out(p, patterns))
 
 
+def _is_git_top(path: Path) -> bool:
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=path, capture_output=True, text=True)
+    return top.returncode == 0 and Path(top.stdout.strip()).resolve() == path.resolve()
+
+
 def check_name(name: str, top_level: set[str]) -> None:
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         hint = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "my_project"
@@ -294,12 +301,12 @@ def check_dest(dest: Path) -> Path:
     return dest
 
 
-def drop_example(texts: dict[Path, str]) -> dict[str, str]:
-    """Merges ``scripts/skeleton/`` into ``texts``; returns ``{example class: skeleton class}`` to rename."""
-    skeletons = sorted(p for p in SKELETON.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+def drop_example(texts: dict[Path, str], skeleton: Path = SKELETON) -> dict[str, str]:
+    """Merges ``skeleton`` into ``texts``; returns ``{example class: skeleton class}`` to rename."""
+    skeletons = sorted(p for p in skeleton.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     renames: dict[str, str] = {}
     for path in skeletons:
-        rel = path.relative_to(SKELETON)
+        rel = path.relative_to(skeleton)
         if rel.parts[0] == PACKAGE and rel.suffix == ".py":
             if rel not in texts:
                 raise RuntimeError(f"--no-example: the template has no {rel} for {path} to go into")
@@ -313,7 +320,7 @@ def drop_example(texts: dict[Path, str]) -> dict[str, str]:
         if (mentions if rel.name.startswith("test_") else uses).search(texts[rel]):
             del texts[rel]
     for path in skeletons:
-        rel = path.relative_to(SKELETON)
+        rel = path.relative_to(skeleton)
         if rel.parts[0] != PACKAGE:
             texts[rel] = path.read_text()
     return renames
@@ -433,6 +440,71 @@ def init_git(path: Path, author: dict[str, str], name: str) -> str:
     return "git repository with one commit"
 
 
+def _git(cwd: Path, *args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-c", "commit.gpgsign=false", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, check=check)  # fmt: skip
+
+
+def template_state() -> tuple[str | None, list[str]]:
+    """The template's HEAD commit (None outside git) and the files a copy takes that differ from it."""
+    if shutil.which("git") is None or not _is_git_top(ROOT):
+        return None, []
+    head = _git(ROOT, "rev-parse", "--verify", "-q", "HEAD^{commit}", check=False).stdout.strip()
+    if not head:  # a repository without commits
+        return None, []
+    changed = _git(ROOT, "diff", "--name-only", "-z", "HEAD").stdout
+    changed += _git(ROOT, "ls-files", "-z", "--others", "--exclude-standard").stdout
+    return head, sorted({p for p in changed.split("\0") if p and not _left_out(Path(p))})
+
+
+def make_record(commit: str | None, uncommitted: list[str], name: str, example: bool, author: str | None,
+                description: str | None) -> str:  # fmt: skip
+    """``uncommitted``: template files the copy took as they were on disk, not as in ``commit``."""
+    fields = {"template_commit": commit, "uncommitted": uncommitted, "name": name, "example": example,
+              "author": author, "description": description}  # fmt: skip
+    return json.dumps(fields, indent=2, ensure_ascii=False) + "\n"
+
+
+def render(root: Path, files: list[Path], out: Path, name: str, example: bool = True,
+           author: dict[str, str] | None = None, description: str | None = None) -> None:  # fmt: skip
+    """Writes the copy of the template at ``root`` (its ``files``) to the empty folder ``out``, renamed to ``name``."""
+    texts: dict[Path, str] = {}
+    raw: dict[Path, Path] = {}  # binary files and links travel as they are
+    for rel in files:
+        data = b"\0" if (root / rel).is_symlink() else (root / rel).read_bytes()
+        try:
+            if b"\0" in data:
+                raise UnicodeDecodeError("utf-8", data, 0, 1, "binary")
+            texts[rel] = drop_template_only(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            raw[rel] = root / rel
+    renames = {} if example else drop_example(texts, root / SKELETON.relative_to(ROOT))
+    renamer = Renamer(
+        PACKAGE, name, {Path(p.parts[1]).stem for p in files if p.parts[0] == PACKAGE and len(p.parts) > 1}
+    )
+    renamed = []
+    for rel in sorted({*texts, *raw}):
+        target = out / (Path(name, *rel.parts[1:]) if rel.parts[0] == PACKAGE else rel)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if rel in raw:
+            shutil.copy2(raw[rel], target, follow_symlinks=False)
+            continue
+        text = texts[rel]
+        for old, new in renames.items():
+            text = re.sub(rf"\b{re.escape(old)}\b", new, text)
+        text = renamer.file(rel, text)
+        if rel == Path("pyproject.toml") and (author or description is not None):
+            text = set_metadata(text, author or {}, description)
+        if rel == Path("README.md"):
+            text = retitle(text, name, description)
+        target.write_text(text)
+        if (root / rel).exists():
+            shutil.copymode(root / rel, target)
+        if target.suffix == ".py" and text != texts[rel]:
+            renamed.append(target)
+    tidy(renamed)
+
+
 def generate(dest: Path, name: str, example: bool = True, author: str | None = None,
              description: str | None = None, git: bool = True) -> tuple[Path, str]:  # fmt: skip
     """Writes the new project to ``dest``, all or nothing; returns its path and what git did."""
@@ -441,45 +513,18 @@ def generate(dest: Path, name: str, example: bool = True, author: str | None = N
         raise RuntimeError(f"the template has no package {PACKAGE}/ at {ROOT}")
     check_name(name, {p.parts[0] for p in files if len(p.parts) > 1})
     dest, author_fields = check_dest(Path(dest)), parse_author(author)
-    texts: dict[Path, str] = {}
-    raw: dict[Path, Path] = {}  # binary files and links travel as they are
-    for rel in files:
-        data = b"\0" if (ROOT / rel).is_symlink() else (ROOT / rel).read_bytes()
-        try:
-            if b"\0" in data:
-                raise UnicodeDecodeError("utf-8", data, 0, 1, "binary")
-            texts[rel] = drop_template_only(data.decode("utf-8"))
-        except UnicodeDecodeError:
-            raw[rel] = ROOT / rel
-    renames = {} if example else drop_example(texts)
-    renamer = Renamer(
-        PACKAGE, name, {Path(p.parts[1]).stem for p in files if p.parts[0] == PACKAGE and len(p.parts) > 1}
-    )
     parent = next(p for p in dest.parents if p.is_dir())
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=parent))
-    renamed = []
     try:
-        for rel in sorted({*texts, *raw}):
-            out = staging / (Path(name, *rel.parts[1:]) if rel.parts[0] == PACKAGE else rel)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            if rel in raw:
-                shutil.copy2(raw[rel], out, follow_symlinks=False)
-                continue
-            text = texts[rel]
-            for old, new in renames.items():
-                text = re.sub(rf"\b{re.escape(old)}\b", new, text)
-            text = renamer.file(rel, text)
-            if rel == Path("pyproject.toml") and (author_fields or description is not None):
-                text = set_metadata(text, author_fields, description)
-            if rel == Path("README.md"):
-                text = retitle(text, name, description)
-            out.write_text(text)
-            if (ROOT / rel).exists():
-                shutil.copymode(ROOT / rel, out)
-            if out.suffix == ".py" and text != texts[rel]:
-                renamed.append(out)
-        tidy(renamed)
+        render(ROOT, files, staging, name, example, author_fields, description)
+        commit, uncommitted = template_state()
+        (staging / RECORD).write_text(make_record(commit, uncommitted, name, example, author, description))
         note = init_git(staging, author_fields, name) if git else "no git (--no-git)"
+        if commit is None:
+            note += f"; the template is not a git checkout, so {RECORD} names no commit and --update can't run"
+        elif uncommitted:
+            note += (f"; the template had uncommitted changes in {len(uncommitted)} files ({RECORD} lists them): "
+                     f"--update will treat them as your own")  # fmt: skip
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.is_dir():  # empty: keep the folder itself, it may be the user's working directory
             for child in staging.iterdir():
