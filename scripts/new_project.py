@@ -466,6 +466,10 @@ def template_state() -> tuple[str | None, list[str]]:
     return head, sorted({p for p in changed.split("\0") if p and not _left_out(Path(p))})
 
 
+def _files(n: int) -> str:
+    return f"{n} file{'s' * (n != 1)}"
+
+
 def make_record(commit: str | None, uncommitted: list[str], name: str, example: bool, author: str | None,
                 description: str | None) -> str:  # fmt: skip
     """``uncommitted``: template files the copy took as they were on disk, not as in ``commit``."""
@@ -532,7 +536,7 @@ def generate(dest: Path, name: str, example: bool = True, author: str | None = N
         if commit is None:
             note += f"; the template is not a git checkout, so {RECORD} names no commit and --update can't run"
         elif uncommitted:
-            note += (f"; the template had uncommitted changes in {len(uncommitted)} files ({RECORD} lists them): "
+            note += (f"; the template had uncommitted changes in {_files(len(uncommitted))} ({RECORD} lists them): "
                      f"--update will treat them as your own")  # fmt: skip
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.is_dir():  # empty: keep the folder itself, it may be the user's working directory
@@ -636,14 +640,14 @@ def update(dest: Path) -> tuple[str, list[str]]:
         squash_msg = _git(dest, "rev-parse", "--git-path", "SQUASH_MSG").stdout.strip()
         (dest / squash_msg).write_text(message)  # git commit offers it
         return (f"Merged template {old[:7]}..{head[:7]} into {dest} on branch {branch}, with conflicts in "
-                f"{len(conflicts)} files:\n" + "".join(f"  {p}\n" for p in conflicts) +
+                f"{_files(len(conflicts))}:\n" + "".join(f"  {p}\n" for p in conflicts) +
                 "Resolve the <<<<<<< markers, git add the files and git commit; or give up with git reset --hard "
                 f"&& git switch {start} && git branch -D {branch}."), conflicts  # fmt: skip
     changes = _git(dest, "diff", "--cached", "--name-status", "HEAD").stdout.splitlines()
     counts = {k: sum(line[0] == k for line in changes) for k in "MAD"}
     committed = _git(dest, "commit", "-q", "--no-verify", "-m", message, check=False)
     done = "committed" if committed.returncode == 0 else f"staged, not committed ({committed.stderr.strip()})"
-    return (f"Merged template {old[:7]}..{head[:7]} into {dest} on branch {branch}, {done}: {counts['M']} files "
+    return (f"Merged template {old[:7]}..{head[:7]} into {dest} on branch {branch}, {done}: {_files(counts['M'])} "
             f"changed, {counts['A']} added, {counts['D']} removed, no conflicts.\n"
             f"Next: make test there, then git switch {start} && git merge {branch}."), []  # fmt: skip
 

@@ -136,7 +136,7 @@ def test_a_change_both_made_is_a_listed_conflict_with_markers(repos):
 
     proc = run_script(template, "--update", str(copy))
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"  {in_copy(ENGINE)}\n" in proc.stdout and "conflicts in 1 files" in proc.stdout
+    assert f"  {in_copy(ENGINE)}\n" in proc.stdout and "conflicts in 1 file:" in proc.stdout
     text = (copy / in_copy(ENGINE)).read_text()
     ending = f"<<<<<<< HEAD\n# the user's ending\n=======\n{TEMPLATE_FIX[1:]}>>>>>>> template {theirs[:7]}\n"
     assert text == ours[: ours.rindex("# the user's ending")] + ending  # the blank line both added is merged
