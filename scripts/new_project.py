@@ -15,6 +15,15 @@ with one commit. Only the standard library is used, so it runs before any setup.
 same resumable loaders) and leaves out the tests that mention the digits and the scripts that use their
 DataModule; the Classifier and the nets stay. Where ruff is at hand, renamed Python files are re-sorted and
 re-formatted, as a longer name can push a line past the limit.
+
+The copy's ``.template.json`` records the template commit it came from and the answers (name, author, description,
+--no-example); files taken with uncommitted changes are listed there too, and --update treats them as the user's.
+``python scripts/new_project.py --update DEST``, run from a newer template checkout, copies the recorded commit and
+the template's HEAD again with those answers and three-way merges the difference into DEST (``git merge-recursive``,
+the older copy as base) on a new branch ``template-update-<sha>``: committed when clean; otherwise the conflicted
+files are listed and left with git's markers, and the exit status is 1. The record then names the new commit. DEST
+must be a git repository with no uncommitted changes, and the template a checkout with none: otherwise nothing
+changes.
 """
 
 import argparse
@@ -40,8 +49,10 @@ SKELETON = Path(__file__).resolve().parent / "skeleton"
 TEMPLATE_ONLY = (
     Path(__file__).resolve().relative_to(ROOT).as_posix(),
     "tests/test_new_project.py",
+    "tests/test_template_update.py",
     "scripts/skeleton/",
 )
+RECORD = ".template.json"  # in the copy: the template commit and the answers it was made from; --update reads it
 EXAMPLE_WORD = "digits"  # --no-example leaves out the tests that mention it
 # fmt: off
 LEFT_OUT_DIRS = {".git", ".hg", ".svn", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache",
@@ -254,6 +265,11 @@ def template_files() -> list[Path]:
     return sorted(p for p in paths if ((ROOT / p).is_file() or (ROOT / p).is_symlink()) and not _left_out(p, patterns))
 
 
+def _is_git_top(path: Path) -> bool:
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=path, capture_output=True, text=True)
+    return top.returncode == 0 and Path(top.stdout.strip()).resolve() == path.resolve()
+
+
 def check_name(name: str, top_level: set[str]) -> None:
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         hint = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "my_project"
@@ -294,12 +310,12 @@ def check_dest(dest: Path) -> Path:
     return dest
 
 
-def drop_example(texts: dict[Path, str]) -> dict[str, str]:
-    """Merges ``scripts/skeleton/`` into ``texts``; returns ``{example class: skeleton class}`` to rename."""
-    skeletons = sorted(p for p in SKELETON.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+def drop_example(texts: dict[Path, str], skeleton: Path = SKELETON) -> dict[str, str]:
+    """Merges ``skeleton`` into ``texts``; returns ``{example class: skeleton class}`` to rename."""
+    skeletons = sorted(p for p in skeleton.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     renames: dict[str, str] = {}
     for path in skeletons:
-        rel = path.relative_to(SKELETON)
+        rel = path.relative_to(skeleton)
         if rel.parts[0] == PACKAGE and rel.suffix == ".py":
             if rel not in texts:
                 raise RuntimeError(f"--no-example: the template has no {rel} for {path} to go into")
@@ -313,7 +329,7 @@ def drop_example(texts: dict[Path, str]) -> dict[str, str]:
         if (mentions if rel.name.startswith("test_") else uses).search(texts[rel]):
             del texts[rel]
     for path in skeletons:
-        rel = path.relative_to(SKELETON)
+        rel = path.relative_to(skeleton)
         if rel.parts[0] != PACKAGE:
             texts[rel] = path.read_text()
     return renames
@@ -433,6 +449,75 @@ def init_git(path: Path, author: dict[str, str], name: str) -> str:
     return "git repository with one commit"
 
 
+def _git(cwd: Path, *args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-c", "commit.gpgsign=false", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, check=check)  # fmt: skip
+
+
+def template_state() -> tuple[str | None, list[str]]:
+    """The template's HEAD commit (None outside git) and the files a copy takes that differ from it."""
+    if shutil.which("git") is None or not _is_git_top(ROOT):
+        return None, []
+    head = _git(ROOT, "rev-parse", "--verify", "-q", "HEAD^{commit}", check=False).stdout.strip()
+    if not head:  # a repository without commits
+        return None, []
+    changed = _git(ROOT, "diff", "--name-only", "-z", "HEAD").stdout
+    changed += _git(ROOT, "ls-files", "-z", "--others", "--exclude-standard").stdout
+    return head, sorted({p for p in changed.split("\0") if p and not _left_out(Path(p))})
+
+
+def _files(n: int) -> str:
+    return f"{n} file{'s' * (n != 1)}"
+
+
+def make_record(commit: str | None, uncommitted: list[str], name: str, example: bool, author: str | None,
+                description: str | None) -> str:  # fmt: skip
+    """``uncommitted``: template files the copy took as they were on disk, not as in ``commit``."""
+    fields = {"template_commit": commit, "uncommitted": uncommitted, "name": name, "example": example,
+              "author": author, "description": description}  # fmt: skip
+    return json.dumps(fields, indent=2, ensure_ascii=False) + "\n"
+
+
+def render(root: Path, files: list[Path], out: Path, name: str, example: bool = True,
+           author: dict[str, str] | None = None, description: str | None = None) -> None:  # fmt: skip
+    """Writes the copy of the template at ``root`` (its ``files``) to the empty folder ``out``, renamed to ``name``."""
+    texts: dict[Path, str] = {}
+    raw: dict[Path, Path] = {}  # binary files and links travel as they are
+    for rel in files:
+        data = b"\0" if (root / rel).is_symlink() else (root / rel).read_bytes()
+        try:
+            if b"\0" in data:
+                raise UnicodeDecodeError("utf-8", data, 0, 1, "binary")
+            texts[rel] = drop_template_only(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            raw[rel] = root / rel
+    renames = {} if example else drop_example(texts, root / SKELETON.relative_to(ROOT))
+    renamer = Renamer(
+        PACKAGE, name, {Path(p.parts[1]).stem for p in files if p.parts[0] == PACKAGE and len(p.parts) > 1}
+    )
+    renamed = []
+    for rel in sorted({*texts, *raw}):
+        target = out / (Path(name, *rel.parts[1:]) if rel.parts[0] == PACKAGE else rel)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if rel in raw:
+            shutil.copy2(raw[rel], target, follow_symlinks=False)
+            continue
+        text = texts[rel]
+        for old, new in renames.items():
+            text = re.sub(rf"\b{re.escape(old)}\b", new, text)
+        text = renamer.file(rel, text)
+        if rel == Path("pyproject.toml") and (author or description is not None):
+            text = set_metadata(text, author or {}, description)
+        if rel == Path("README.md"):
+            text = retitle(text, name, description)
+        target.write_text(text)
+        if (root / rel).exists():
+            shutil.copymode(root / rel, target)
+        if target.suffix == ".py" and text != texts[rel]:
+            renamed.append(target)
+    tidy(renamed)
+
+
 def generate(dest: Path, name: str, example: bool = True, author: str | None = None,
              description: str | None = None, git: bool = True) -> tuple[Path, str]:  # fmt: skip
     """Writes the new project to ``dest``, all or nothing; returns its path and what git did."""
@@ -441,45 +526,18 @@ def generate(dest: Path, name: str, example: bool = True, author: str | None = N
         raise RuntimeError(f"the template has no package {PACKAGE}/ at {ROOT}")
     check_name(name, {p.parts[0] for p in files if len(p.parts) > 1})
     dest, author_fields = check_dest(Path(dest)), parse_author(author)
-    texts: dict[Path, str] = {}
-    raw: dict[Path, Path] = {}  # binary files and links travel as they are
-    for rel in files:
-        data = b"\0" if (ROOT / rel).is_symlink() else (ROOT / rel).read_bytes()
-        try:
-            if b"\0" in data:
-                raise UnicodeDecodeError("utf-8", data, 0, 1, "binary")
-            texts[rel] = drop_template_only(data.decode("utf-8"))
-        except UnicodeDecodeError:
-            raw[rel] = ROOT / rel
-    renames = {} if example else drop_example(texts)
-    renamer = Renamer(
-        PACKAGE, name, {Path(p.parts[1]).stem for p in files if p.parts[0] == PACKAGE and len(p.parts) > 1}
-    )
     parent = next(p for p in dest.parents if p.is_dir())
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=parent))
-    renamed = []
     try:
-        for rel in sorted({*texts, *raw}):
-            out = staging / (Path(name, *rel.parts[1:]) if rel.parts[0] == PACKAGE else rel)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            if rel in raw:
-                shutil.copy2(raw[rel], out, follow_symlinks=False)
-                continue
-            text = texts[rel]
-            for old, new in renames.items():
-                text = re.sub(rf"\b{re.escape(old)}\b", new, text)
-            text = renamer.file(rel, text)
-            if rel == Path("pyproject.toml") and (author_fields or description is not None):
-                text = set_metadata(text, author_fields, description)
-            if rel == Path("README.md"):
-                text = retitle(text, name, description)
-            out.write_text(text)
-            if (ROOT / rel).exists():
-                shutil.copymode(ROOT / rel, out)
-            if out.suffix == ".py" and text != texts[rel]:
-                renamed.append(out)
-        tidy(renamed)
+        render(ROOT, files, staging, name, example, author_fields, description)
+        commit, uncommitted = template_state()
+        (staging / RECORD).write_text(make_record(commit, uncommitted, name, example, author, description))
         note = init_git(staging, author_fields, name) if git else "no git (--no-git)"
+        if commit is None:
+            note += f"; the template is not a git checkout, so {RECORD} names no commit and --update can't run"
+        elif uncommitted:
+            note += (f"; the template had uncommitted changes in {_files(len(uncommitted))} ({RECORD} lists them): "
+                     f"--update will treat them as your own")  # fmt: skip
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.is_dir():  # empty: keep the folder itself, it may be the user's working directory
             for child in staging.iterdir():
@@ -493,15 +551,134 @@ def generate(dest: Path, name: str, example: bool = True, author: str | None = N
     return dest, note
 
 
+def _copy_as_tree(dest: Path, rev: str, answers: dict, record: str, tmp: Path) -> str:
+    """The copy the template at ``rev`` gives with ``answers``, stored as a tree in DEST's repository; its id."""
+    src, out, index = tmp / f"{rev}-template", tmp / f"{rev}-copy", tmp / f"{rev}.index"
+    env = {**os.environ, "GIT_INDEX_FILE": str(index)}
+    _git(ROOT, "read-tree", rev, env=env)
+    _git(ROOT, "checkout-index", "-a", f"--prefix={src}/", env=env)
+    listed = _git(ROOT, "ls-files", "-z", env=env).stdout.split("\0")
+    files = sorted(Path(p) for p in listed if p and not _left_out(Path(p)))
+    author = parse_author(answers.get("author"))
+    render(src, files, out, answers["name"], answers.get("example", True), author, answers.get("description"))
+    (out / RECORD).write_text(record)
+    index.unlink()
+    _git(dest, "--work-tree", str(out), "add", "-A", "-f", env=env)  # -f: the copy's .gitignore keeps nothing out
+    return _git(dest, "write-tree", env=env).stdout.strip()
+
+
+def check_update(dest: Path) -> tuple[dict, str, str]:
+    """DEST's record, its text and the template's HEAD, or a UsageError saying what stands in the way."""
+    if not dest.is_dir() or shutil.which("git") is None or not _is_git_top(dest):
+        raise UsageError(f"DEST {dest} is not the root of a git repository; --update merges on a new branch there: "
+                         f"run it on the copy's own folder, or git init and commit the copy first")  # fmt: skip
+    if _git(dest, "rev-parse", "--verify", "-q", "HEAD", check=False).returncode:
+        raise UsageError(f"DEST {dest} has no commits yet; commit the copy first")
+    if _git(dest, "status", "--porcelain").stdout:
+        raise UsageError(f"DEST {dest} has uncommitted changes; commit or stash them (git stash -u) first")
+    try:
+        text = (dest / RECORD).read_text()
+        answers = json.loads(text)
+    except FileNotFoundError:
+        raise UsageError(f"DEST {dest} has no {RECORD}, so the template commit it came from is unknown; write one, "
+                         f'{{"template_commit": "<sha>", "name": "<package>"}}, and commit it') from None  # fmt: skip
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{dest / RECORD} can't be read ({error}); restore it from the copy's history") from None
+    old = answers.get("template_commit") if isinstance(answers, dict) else None
+    if not old or not answers.get("name"):
+        raise UsageError(f"{dest / RECORD} names no template_commit or no name (a copy of a template outside git); "
+                         f"set both to the template commit it came from and its package, and commit it")  # fmt: skip
+    head, uncommitted = template_state()
+    if head is None:
+        raise UsageError(f"the template {ROOT} is not a git checkout with commits; run --update from a clone of it")
+    if uncommitted:
+        raise UsageError(f"the template {ROOT} has uncommitted changes ({', '.join(uncommitted[:3])}); commit or "
+                         f"stash them, so that {RECORD} names the commit that was merged")  # fmt: skip
+    if _git(ROOT, "cat-file", "-e", f"{old}^{{commit}}", check=False).returncode:
+        raise UsageError(f"the template commit {old} that DEST came from is not in {ROOT}; git fetch it there, or "
+                         f"run --update from a clone that has it")  # fmt: skip
+    if old != head and _git(ROOT, "merge-base", "--is-ancestor", old, head, check=False).returncode:
+        raise UsageError(f"the template's HEAD {head[:12]} does not contain {old[:12]}, the commit DEST came from; "
+                         f"check out a newer template commit")  # fmt: skip
+    branch = f"template-update-{head[:7]}"
+    if _git(dest, "rev-parse", "--verify", "-q", f"refs/heads/{branch}", check=False).returncode == 0:
+        raise UsageError(f"DEST already has a branch {branch}; merge or delete it (git branch -D {branch}) first")
+    return answers, text, head
+
+
+def update(dest: Path) -> tuple[str, list[str]]:
+    """Merges what the template changed since DEST's recorded commit into DEST, on a new branch, and says how.
+
+    A three-way merge: the base is this script's copy of the recorded commit, theirs its copy of the template's
+    HEAD, both with DEST's recorded answers; ours is DEST's HEAD. Returns a report and the conflicted paths.
+    """
+    dest = dest.expanduser().resolve()
+    answers, old_record, head = check_update(dest)
+    old = answers["template_commit"]
+    if old == head:
+        return f"{dest} is already at the template's commit {head[:7]}; nothing to do.", []
+    new_record = make_record(head, [], answers["name"], answers.get("example", True), answers.get("author"),
+                             answers.get("description"))  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        base = _copy_as_tree(dest, old, answers, old_record, Path(tmp))
+        theirs = _copy_as_tree(dest, head, answers, new_record, Path(tmp))
+    start = _git(dest, "symbolic-ref", "-q", "--short", "HEAD", check=False).stdout.strip()
+    start = start or _git(dest, "rev-parse", "HEAD").stdout.strip()
+    branch = f"template-update-{head[:7]}"
+    _git(dest, "checkout", "-q", "-b", branch)
+    labels = {f"GITHEAD_{base}": f"template {old[:7]}", f"GITHEAD_{theirs}": f"template {head[:7]}"}  # in markers
+    merged = _git(dest, "merge-recursive", base, "--", "HEAD", theirs, env={**os.environ, **labels}, check=False)
+    conflicts = sorted(p for p in _git(dest, "diff", "--name-only", "-z", "--diff-filter=U").stdout.split("\0") if p)
+    if merged.returncode and not conflicts:  # git refused before merging, e.g. an ignored file in the way
+        _git(dest, "reset", "-q", "--hard")
+        _git(dest, "checkout", "-q", start)
+        _git(dest, "branch", "-q", "-D", branch)
+        raise RuntimeError(f"git merge-recursive failed in {dest}: {(merged.stderr or merged.stdout).strip()}")
+    log = _git(ROOT, "log", "--oneline", "--no-decorate", f"{old}..{head}").stdout
+    message = f"Template update {old[:7]}..{head[:7]}\n\n{log}"
+    if conflicts:
+        squash_msg = _git(dest, "rev-parse", "--git-path", "SQUASH_MSG").stdout.strip()
+        (dest / squash_msg).write_text(message)  # git commit offers it
+        return (f"Merged template {old[:7]}..{head[:7]} into {dest} on branch {branch}, with conflicts in "
+                f"{_files(len(conflicts))}:\n" + "".join(f"  {p}\n" for p in conflicts) +
+                "Resolve the <<<<<<< markers, git add the files and git commit; or give up with git reset --hard "
+                f"&& git switch {start} && git branch -D {branch}."), conflicts  # fmt: skip
+    changes = _git(dest, "diff", "--cached", "--name-status", "HEAD").stdout.splitlines()
+    counts = {k: sum(line[0] == k for line in changes) for k in "MAD"}
+    committed = _git(dest, "commit", "-q", "--no-verify", "-m", message, check=False)
+    done = "committed" if committed.returncode == 0 else f"staged, not committed ({committed.stderr.strip()})"
+    return (f"Merged template {old[:7]}..{head[:7]} into {dest} on branch {branch}, {done}: {_files(counts['M'])} "
+            f"changed, {counts['A']} added, {counts['D']} removed, no conflicts.\n"
+            f"Next: make test there, then git switch {start} && git merge {branch}."), []  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dest", type=Path, help="the new project's folder: new, or empty")
-    parser.add_argument("--name", required=True, help="its package name, e.g. my_project (lowercase, digits, _)")
+    parser.add_argument("dest", type=Path, help="the new project's folder: new, or empty; with --update, a copy")
+    parser.add_argument("--name", help="its package name, e.g. my_project (lowercase, digits, _)")
     parser.add_argument("--no-example", action="store_true", help="a DataModule skeleton instead of the digits")
     parser.add_argument("--author", help='"Name <email>" for pyproject.toml and the first commit')
     parser.add_argument("--description", help="one line for pyproject.toml and the README")
     parser.add_argument("--no-git", action="store_true", help="no git init and no first commit")
+    parser.add_argument("--update", action="store_true", help=f"merge this template's changes into the copy DEST, "
+                        f"on a new branch, with the answers in its {RECORD}")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.update:
+        given = [f for f in ("name", "author", "description", "no_example", "no_git") if getattr(args, f)]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            parser.error(f"--update takes its answers from DEST/{RECORD}; leave out {flags}")
+        try:
+            report, conflicts = update(args.dest)
+        except UsageError as error:
+            parser.error(f"{error}. Nothing was changed.")
+        except RuntimeError as error:
+            print(f"new_project.py: error: {error}. Nothing was changed.", file=sys.stderr)
+            return 1
+        print(report)
+        return 1 if conflicts else 0
+    if not args.name:
+        parser.error("the following arguments are required: --name")
     try:
         dest, note = generate(args.dest, args.name, not args.no_example, args.author, args.description, not args.no_git)
     except UsageError as error:

@@ -3,6 +3,7 @@ name or DEST fails before anything is written."""
 
 import ast
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -17,7 +18,12 @@ from tests.conftest import QUIET, REPO
 
 SCRIPT = REPO / "scripts" / "new_project.py"
 NAME = "acme_ml"  # as long as "project": line breaks stay where they were, so a copy can be compared line by line
-TEMPLATE_ONLY = ("scripts/new_project.py", "tests/test_new_project.py", "scripts/skeleton/")
+TEMPLATE_ONLY = (
+    "scripts/new_project.py",
+    "tests/test_new_project.py",
+    "scripts/skeleton/",
+    "tests/test_template_update.py",
+)
 GIT_ID = {f"GIT_{r}_{k}": v for r in ("AUTHOR", "COMMITTER") for k, v in (("NAME", "T"), ("EMAIL", "t@example.org"))}
 
 _spec = importlib.util.spec_from_file_location("new_project", SCRIPT)
@@ -135,7 +141,7 @@ def _values(node):
 def test_nothing_but_references_to_the_package_changes(generated):
     """Mapping the new name back gives the template again: prose, "pyproject.toml" and TOML tables kept "project"."""
     expected = {re.sub(r"^project/", f"{NAME}/", p) for p in template_files()}
-    assert tree(generated) == expected
+    assert tree(generated) == expected | {".template.json"}
     for rel in template_files():
         old = new_project.drop_template_only((REPO / rel).read_text(errors="replace"))
         new = (generated / re.sub(r"^project/", f"{NAME}/", rel)).read_text(errors="replace").replace(NAME, "project")
@@ -161,6 +167,8 @@ def test_author_and_description_go_to_pyproject_and_readme(tmp_path):
         k: v for k, v in template.items() if k not in ("description", "name", "scripts")
     }
     assert (dest / "README.md").read_text().startswith(f'# {NAME}\n\nCounts "things"\n')
+    record = json.loads((dest / ".template.json").read_text())
+    assert (record["author"], record["description"]) == ("Ada Lovelace <ada@example.org>", 'Counts "things"')
 
 
 @pytest.mark.parametrize("git", [True, False], ids=["git", "walk"])
@@ -184,13 +192,17 @@ def test_runs_checkpoints_caches_and_venv_stay_behind(template_copy, tmp_path, g
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out"
     expected = {re.sub(r"^project/", f"{NAME}/", p) for p in tree(template_copy) if not p.startswith(TEMPLATE_ONLY)}
-    assert tree(out) == expected | {"notes/keep.txt", "assets/logo.png"}
+    assert tree(out) == expected | {"notes/keep.txt", "assets/logo.png", ".template.json"}
     assert (out / "assets" / "logo.png").read_bytes() == b"\x89PNG\0\xff project"  # binary: copied as it is
     assert "template-only" not in (out / "README.md").read_text()
     assert os.access(out / ".ci" / "run", os.X_OK) or not (out / ".ci" / "run").exists()
     log = subprocess.run(["git", "log", "--oneline"], cwd=out, capture_output=True, text=True, check=True).stdout
     status = subprocess.run(["git", "status", "--porcelain"], cwd=out, capture_output=True, text=True).stdout
     assert len(log.splitlines()) == 1 and status == ""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=template, capture_output=True, text=True).stdout.strip()
+    record = json.loads((out / ".template.json").read_text())
+    assert record == {"template_commit": head if git else None, "uncommitted": [], "name": NAME, "example": True,
+                      "author": None, "description": None}  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "template"]  # no staging folder left
 
 
