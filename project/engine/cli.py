@@ -19,6 +19,7 @@ from project.engine.distributed import DestroyProcessGroup
 from project.engine.errors import check_yaml_files, one_line_errors, root_cause
 from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
+from project.engine.predictions import PredictionWriter
 from project.engine.resume import ExactResume
 from project.engine.run_folder import RunFolder
 from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point_loggers_at
@@ -88,8 +89,10 @@ def cli_main(args: ArgsType = None) -> CLI:
         return CLI(
             save_config_callback=SaveConfigOnce,
             # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run
-            # looks finished.
-            trainer_defaults={"callbacks": [ExactResume(), Preemption(), StopOnNonFinite(), DestroyProcessGroup()]},
+            # looks finished / predict writes nothing.
+            trainer_defaults={
+                "callbacks": [ExactResume(), Preemption(), StopOnNonFinite(), DestroyProcessGroup(), PredictionWriter()]
+            },
             # The usage line, not all 60 options, above an error; --help lists them.
             parser_kwargs={
                 sub: {"default_config_files": defaults, "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}

@@ -1,0 +1,184 @@
+"""Export: each format gives the Lightning model's own outputs; a net that cannot be exported says why in one line."""
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import onnxruntime
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from torch import nn
+
+from project.engine.checkpoints import load_checkpoint_file
+from project.engine.export import export
+from project.module import Classifier
+from tests.conftest import REPO
+
+NETS = {"MLP": ["--model.net.hidden_sizes", "[32, 16]"], "CNN": ["--model.net", "project.nets.CNN"]}
+
+
+def make_run(root: Path, net_args: list[str]) -> Path:
+    """A run folder as ``fit`` leaves it: the CLI's own config.yaml and a checkpoint of a Classifier with that net.
+
+    The weights are the seeded initial ones, perturbed so that no layer is left at an identity-like default.
+    """
+    from project.engine.cli import cli_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), mock.patch.object(sys, "argv", ["project"]), pytest.raises(SystemExit):
+        cli_main(["fit", *net_args, "--print_config"])
+    config = yaml.safe_load(out.getvalue())
+    net_config = config["model"]["init_args"]["net"]
+    from project.engine.weights import instantiate
+
+    torch.manual_seed(0)
+    module = Classifier(instantiate(net_config["class_path"], net_config.get("init_args", {})))
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    run = root / "runs" / "digits" / "version_0"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    torch.save({"state_dict": module.state_dict(), "global_step": 0, "epoch": 0}, run / "checkpoints" / "last.ckpt")
+    return run / "checkpoints" / "last.ckpt"
+
+
+def lightning_model(ckpt: Path) -> Classifier:
+    """The oracle: the Classifier with the checkpoint's state_dict, as Lightning's predict would run it."""
+    config = yaml.safe_load((ckpt.parent.parent / "config.yaml").read_text())["model"]["init_args"]["net"]
+    from project.engine.weights import instantiate
+
+    module = Classifier(instantiate(config["class_path"], config.get("init_args", {})))
+    module.load_state_dict(load_checkpoint_file(ckpt)["state_dict"])
+    return module.eval()
+
+
+@pytest.fixture(scope="module", params=list(NETS))
+def exported(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    ckpt = make_run(root, NETS[request.param])
+    paths = export(ckpt, root / "export", ("safetensors", "onnx", "pt2", "pth"))
+    return request.param, lightning_model(ckpt), {p.suffix[1:]: p for p in paths}
+
+
+def run_safetensors(path: Path):
+    from project.engine.weights import load_net
+
+    net = load_net(path)
+    return lambda x: net(x)
+
+
+def run_onnx(path: Path):
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return lambda x: torch.from_numpy(session.run(None, {"input": x.numpy()})[0])
+
+
+def run_pt2(path: Path):
+    program = torch.export.load(path).module()
+    return lambda x: program(x)
+
+
+def run_pth(path: Path):
+    from project.engine.weights import instantiate
+
+    config = json.loads(path.with_suffix(".json").read_text())
+    net = instantiate(config["class_path"], config.get("init_args", {}))
+    net.load_state_dict(torch.load(path, weights_only=True))
+    return net.eval()
+
+
+RUNNERS = {"safetensors": run_safetensors, "onnx": run_onnx, "pt2": run_pt2, "pth": run_pth}
+
+
+@pytest.mark.parametrize("fmt", list(RUNNERS))
+def test_each_format_gives_the_lightning_models_outputs_for_batches_of_1_and_7(exported, fmt):
+    name, module, paths = exported
+    run = RUNNERS[fmt](paths[fmt])
+    for batch in (1, 7):
+        seed = 100 + batch
+        x = torch.rand(batch, 1, 8, 8, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            expected, got = module(x), run(x)
+        assert got.shape == expected.shape == (batch, 10)
+        delta = (got - expected).abs().max().item()
+        print(f"{name} {fmt} batch {batch}: max |delta| {delta:.3g}")
+        assert delta <= 1e-5, f"{name} {fmt} batch {batch} (input seed {seed}): max |delta| {delta}"
+
+
+def test_safetensors_carry_the_net_recipe_and_load_with_no_lightning_and_no_pickle(exported):
+    name, _, paths = exported
+    with safe_open(str(paths["safetensors"]), framework="pt") as f:
+        metadata = f.metadata()
+    assert metadata["class_path"] == f"project.nets.{name}"
+    assert isinstance(json.loads(metadata["init_args"]), dict)
+    # A fresh interpreter where importing Lightning or unpickling anything fails
+    code = (
+        "import sys, pickle; sys.modules['lightning'] = sys.modules['pytorch_lightning'] = None\n"
+        "import torch; from project.engine.weights import load_net\n"
+        "pickle.loads = pickle.load = pickle.Unpickler = torch.load = None\n"
+        f"net = load_net({str(paths['safetensors'])!r}); print(net(torch.zeros(3, 1, 8, 8)).shape)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env={"PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "torch.Size([3, 10])" in proc.stdout
+
+
+class BranchyNet(nn.Module):
+    """Data-dependent Python control flow: which branch runs depends on the values, which a trace cannot keep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x.flatten(1))
+        return y if y.sum() > 0 else -y
+
+
+class NamedOutputNet(BranchyNet):
+    """Returns a dict with a string in it: no tensor graph to export."""
+
+    def forward(self, x: torch.Tensor) -> dict:  # type: ignore[override]
+        return {"logits": self.linear(x.flatten(1)), "labels": "digits"}
+
+
+@pytest.mark.parametrize(
+    ("net", "reason"), [("BranchyNet", "branches on a tensor's value"), ("NamedOutputNet", "returns a dict")]
+)
+@pytest.mark.parametrize("fmt", ["onnx", "pt2"])
+def test_a_net_that_cannot_be_exported_gets_one_line_naming_the_format_and_the_reason(tmp_path, net, reason, fmt):
+    ckpt = make_run(tmp_path, ["--model.net", f"tests.test_export.{net}"])
+    with pytest.raises(ValueError) as error:
+        export(ckpt, tmp_path / "export", (fmt,))
+    message = str(error.value)
+    assert message.startswith(f"{fmt} export of tests.test_export.{net} failed") and reason in message, message
+    assert "\n" not in message
+    assert not (tmp_path / "export" / f"model.{fmt}").exists()
+
+
+@pytest.mark.slow  # a subprocess: the script's exit code and last line are the point
+def test_script_refuses_to_overwrite_and_reports_it_in_one_line(tmp_path):
+    ckpt = make_run(tmp_path, NETS["MLP"])
+    out = tmp_path / "export"
+    (existing,) = export(ckpt, out, ("safetensors",))
+    before = existing.read_bytes()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "export.py"), str(ckpt), "--out", str(out), "--format", "all"],
+        env={"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"export.py: error: {existing} exists; choose another --out (exports never overwrite)"
+    )
+    assert existing.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
