@@ -141,3 +141,15 @@ class Probe(L.Callback):
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         if grads:
             self.grad_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+
+
+class CrashAt(L.Callback):
+    """Raises ``RuntimeError("injected crash")`` when optimizer step ``step`` is about to run: a crash inside a
+    single-process run that the test catches, with the checkpoints of earlier steps on disk."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("injected crash")

@@ -23,7 +23,10 @@ def per_epoch(probe):
 
 
 CASES = {
-    "fast_dev_run true": (["--trainer.fast_dev_run", "true"], lambda t, p, d: t.global_step == 1 and p.val_runs == 1),  # noqa: E501
+    "fast_dev_run true": (
+        ["--trainer.fast_dev_run", "true"],
+        lambda t, p, d: t.global_step == 1 and p.val_runs == 1,
+    ),
     "fast_dev_run 3": (["--trainer.fast_dev_run", "3"], lambda t, p, d: t.global_step == 3),
     "overfit_batches 4": (  # the same 4 batches, in the same order, every epoch
         ["--trainer.overfit_batches", "4", "--trainer.max_epochs", "3"],

@@ -1,7 +1,17 @@
-"""ThrottledTensorBoardLogger holds values back between flushes and writes every one of them, in order."""
+"""Loggers: the throttled TensorBoard writer keeps every value, and a resumed run continues the same run in every
+logger the engine knows, with each step logged exactly once."""
+
+import csv
+import glob
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
 
 from project.engine.loggers import ThrottledTensorBoardLogger
-from tests.conftest import scalars
+from tests.conftest import QUIET, REPO, cli, cli_in_process, scalars
 
 
 def test_values_wait_until_a_flush_then_all_are_written_in_order(tmp_path):
@@ -18,3 +28,104 @@ def test_values_wait_until_a_flush_then_all_are_written_in_order(tmp_path):
     got = scalars(tmp_path / "t" / "version_0")["train/loss"]
     assert [s for s, _ in got] == [s for s, _ in expected]
     assert all(abs(v - e) < 1e-7 for (_, v), (_, e) in zip(got, expected, strict=True))
+
+
+# 3 epochs of 5 steps; last.ckpt at each epoch end: a crash at step 12 resumes from step 10
+ARGS = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "5", "--trainer.limit_val_batches", "1",
+        "--model.warmup", "1"]  # fmt: skip
+STEPS = list(range(15))
+
+
+def tensorboard_steps(run_dir, tmp_path):
+    return [s for s, _ in scalars(run_dir)["train/loss"]]
+
+
+def csv_steps(run_dir, tmp_path):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
+
+
+def mlflow_steps(run_dir, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id])  # one run, not two
+    assert run.info.run_id == json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
+    assert run.info.run_name == "digits/version_0"
+    return sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss"))
+
+
+def wandb_records(path):
+    """The records of an offline W&B run file (a LevelDB-style log of protobuf records; wandb reads it in Go)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, chunk = Path(path).read_bytes(), 7, b""  # a 7-byte header, then 32 KiB blocks of chunks
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            break
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            chunk = b""
+            yield record
+
+
+def wandb_steps(run_dir, tmp_path):
+    files = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")))
+    assert len(files) == 2  # the interrupted process and the resumed one
+    ids, steps = set(), []
+    for path in files:
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                ids.add(record.run.run_id)
+            elif kind == "history":
+                row = {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+                }
+                if "train/loss" in row:
+                    steps.append(row["trainer/global_step"])
+    assert ids == {json.loads((run_dir / "run.json").read_text())["wandb_id"]}  # the same W&B run id
+    return steps
+
+
+LOGGERS = {
+    "tensorboard": ([], [tensorboard_steps]),
+    "csv": (["--config", str(REPO / "configs" / "csv.yaml")], [csv_steps]),
+    "mlflow": (["--config", str(REPO / "configs" / "mlflow.yaml")], [mlflow_steps]),
+    "wandb": (["--config", str(REPO / "configs" / "wandb.yaml")], [wandb_steps]),
+    "tensorboard+csv": (["--config", str(REPO / "configs" / "tensorboard_csv.yaml")], [tensorboard_steps, csv_steps]),
+    "none": (["--trainer.logger", "false"], []),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LOGGERS))
+def test_resume_continues_the_same_run_with_each_step_logged_once(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # belt and braces: the overlay is offline already
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    args, readers = LOGGERS[name]
+    if name == "mlflow":
+        args = [*args, "--trainer.logger.init_args.tracking_uri", f"sqlite:///{tmp_path}/mlflow.db"]
+    root = tmp_path / "runs"
+    crash = ["--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=12"]
+    if name == "wandb":  # W&B keeps process-wide state: a user resumes in a new process, so does this test
+        proc = cli("fit", *ARGS, *args, *crash, cwd=tmp_path, check=False)
+        assert proc.returncode == 1 and "injected crash" in proc.stderr, proc.stderr[-2000:]
+        cli("fit", *ARGS, *args, "--ckpt_path", "last", cwd=tmp_path)
+    else:
+        with pytest.raises(RuntimeError, match="injected crash"):
+            cli_in_process("fit", *ARGS, *args, *crash, root=root)
+        assert cli_in_process("fit", *ARGS, *args, "--ckpt_path", "last", root=root).trainer.global_step == 15
+    run_dir = root / "digits" / "version_0"
+    assert [p.name for p in (root / "digits").iterdir()] == ["version_0"]  # the same folder, no second run
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 15
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "config.1.yaml").is_file()
+    for read_steps in readers:
+        assert read_steps(run_dir, tmp_path) == STEPS, read_steps.__name__  # none twice, none missing, in order

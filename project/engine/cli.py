@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -76,6 +76,9 @@ class CLI(LightningCLI):
             # Lightning refuses ModelCheckpoint callbacks with checkpointing off, and under fast_dev_run (which
             # documents "checkpointing is suppressed") 2.6 still writes last.ckpt at the end: the flag is the intent
             callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+        if config.get("logger") in (False, None, []) and any(isinstance(c, LearningRateMonitor) for c in callbacks):
+            # it refuses a Trainer without a logger; `--trainer.logger false` should not need a second flag
+            callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
         if self.run_plan is not None:
             callbacks += [RunFolder(self.run_plan), Guarantees(self.run_plan, self.unknown_loggers)]
         kwargs["callbacks"] = callbacks

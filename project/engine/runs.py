@@ -233,12 +233,14 @@ def keep_csv_history(plan: RunPlan, loggers: list[Any]) -> None:
         if path.is_file():
             with open(path, newline="") as f:
                 rows = [r for r in csv.DictReader(f) if r.get("step", "") == "" or int(r["step"]) < plan.global_step]
-        _ = logger.experiment  # the writer starts and removes the file
+        writer = logger.experiment  # the writer starts and removes the file
         if rows:
             with open(path, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-                writer.writeheader()
-                writer.writerows(rows)
+                rows_writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                rows_writer.writeheader()
+                rows_writer.writerows(rows)
+            # the columns already in the file; without them its first write drops the ones it has not seen yet
+            writer.metrics_keys = list(rows[0])
 
 
 def write_record(run_dir: Path, loggers: list[Any]) -> None:
