@@ -1,0 +1,59 @@
+"""Resume stays exact off the default path: a crashed run resumed from an epoch-end and from a mid-epoch checkpoint
+ends bitwise equal to the uninterrupted run (weights, per-step loss and LR) under flags that move where epochs end,
+when optimizer steps happen and when validation saves (single process, in this process; DDP: tests/test_resume.py)."""
+
+import pytest
+import torch
+
+from tests.conftest import QUIET, cli_in_process, scalars
+
+pytestmark = pytest.mark.slow
+
+# A last.ckpt writer every 5 optimizer steps besides the default ones, so that a mid-epoch checkpoint exists at
+# every flag's step count.
+EVERY_5 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=5",
+           "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
+           "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+BASE = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "2", "--model.warmup", "1", *EVERY_5]
+
+# flag -> (args, crash step resuming from an epoch end, crash step resuming mid-epoch)
+CASES = {
+    "limit_train_batches 0.5": (["--trainer.limit_train_batches", "0.5"], 20, 27),  # 10 steps an epoch
+    "accumulate_grad_batches 3": (["--trainer.accumulate_grad_batches", "3"], 14, 17),  # 7 steps an epoch
+    "val_check_interval 0.5": (["--trainer.val_check_interval", "0.5"], 20, 33),  # 30: the mid-epoch validation's
+    "check_val_every_n_epoch 2": (["--trainer.check_val_every_n_epoch", "2"], 20, 47),
+    "num_workers 2": (["--data.num_workers", "2", "--data.persistent_workers", "true"], 40, 48),
+}
+
+
+def final(root):
+    run = root / "digits" / "version_0"
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True), scalars(run)
+
+
+def resumed_from_mid_epoch(root) -> bool:
+    """Whether the newest last.ckpt (what --ckpt_path last resumes from) was taken in the middle of an epoch."""
+    ckpt = torch.load(root / "digits" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    batches = ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"]
+    return not ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] and batches > 0
+
+
+@pytest.mark.parametrize("flag", list(CASES))
+def test_resume_is_exact_at_an_epoch_end_and_mid_epoch(flag, tmp_path):
+    args, epoch_end_step, mid_epoch_step = CASES[flag]
+    cli_in_process("fit", *BASE, *args, root=tmp_path / "reference")
+    ref, ref_logged = final(tmp_path / "reference")
+    for where, step in (("epoch end", epoch_end_step), ("mid-epoch", mid_epoch_step)):
+        root = tmp_path / where.replace(" ", "_")
+        with pytest.raises(RuntimeError, match="injected crash"):
+            cli_in_process("fit", *BASE, *args, "--trainer.callbacks+=tests.faults.CrashAt",
+                           f"--trainer.callbacks.step={step}", root=root)  # fmt: skip
+        assert resumed_from_mid_epoch(root) == (where == "mid-epoch"), where  # the precondition of this case
+        cli_in_process("fit", *BASE, *args, "--ckpt_path", "last", root=root)
+        got, logged = final(root)
+        assert got["global_step"] == ref["global_step"]
+        weights = {k: v for k, v in ref["state_dict"].items() if k.startswith("net.")}
+        diffs = {k: (got["state_dict"][k] - v).abs().max().item() for k, v in weights.items()}
+        assert all(d == 0.0 for d in diffs.values()), (where, diffs)
+        for tag in ("train/loss", "lr", "val/acc", "train/acc", "train/loss_epoch"):
+            assert logged[tag] == ref_logged[tag], (where, tag)
