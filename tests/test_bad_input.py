@@ -18,6 +18,8 @@ import torch
 
 from tests.conftest import DDP2, QUIET, REPO, cli, run_dirs
 
+pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
+
 SMALL = ["--model.net.init_args.hidden_sizes", "[32]", "--model.warmup", "0"]  # not the default net: row 5
 TINY = [*QUIET, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"]
 

@@ -11,20 +11,10 @@ import yaml
 from project.nets import MLP
 from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
 
+pytestmark = pytest.mark.slow  # subprocesses: the real `python -m project`
+
 TINY = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "5", "--trainer.limit_val_batches", "2"]
 TRAIN_SIZE = 1797 - 2 * int(1797 * 0.15)  # the digits' default train split
-
-
-@pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_config_parses(config, monkeypatch, capsys):
-    from project.engine.cli import cli_main
-
-    monkeypatch.setattr(sys, "argv", ["project"])
-    with pytest.raises(SystemExit) as exit_info:
-        cli_main(["fit", "--config", str(config), "--print_config"])
-    assert exit_info.value.code in (0, None)
-    printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["class_path"] and printed["data"]["class_path"]
 
 
 def test_each_subcommand_runs_and_reruns_never_clash(workdir):

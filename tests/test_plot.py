@@ -12,6 +12,8 @@ from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
 pytest.importorskip("matplotlib", reason='plot_run.py needs the plot extra: pip install -e ".[plot]"')
 from matplotlib.image import imread  # only once matplotlib is known to be there
 
+pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
+
 SCRIPT = REPO / "scripts" / "plot_run.py"
 spec = importlib.util.spec_from_file_location("plot_run", SCRIPT)
 plot_run = importlib.util.module_from_spec(spec)

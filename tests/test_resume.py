@@ -67,7 +67,12 @@ def test_resume_from_epoch_end_checkpoint_is_exact(uninterrupted, tmp_path):
 
 
 def test_resume_from_mid_epoch_checkpoint_is_exact(uninterrupted, tmp_path):
-    interrupted_then_resumed(tmp_path, BASE, step=55)  # last.ckpt is step 50, batch 10 of epoch 3
+    proc = cli("fit", *BASE, *kill_at(55), cwd=tmp_path, check=False)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    last = torch.load(run_dirs(tmp_path)[0] / "checkpoints" / "last.ckpt", weights_only=True)
+    progress = last["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    assert last["global_step"] == 50 and 0 < progress["current"]["completed"] < 20  # mid-epoch (epoch 3 of 20)
+    cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
     assert_same_run(uninterrupted, tmp_path)
 
 

@@ -7,6 +7,8 @@ from project.module import Classifier
 from project.nets import MLP
 from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
 
+pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
+
 
 def test_compile_and_matmul_precision_are_applied_in_setup_and_keep_checkpoint_keys():
     before = torch.get_float32_matmul_precision()

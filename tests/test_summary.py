@@ -3,7 +3,11 @@
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import QUIET, cli, run_dirs, scalars
+
+pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
 
 SUMMARY: list[str] = []  # RunSummary is in configs/default.yaml's callbacks; a config without it adds it here
 TINY = ["--trainer.max_epochs", "3", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2"]

@@ -15,6 +15,8 @@ import yaml
 from tests.conftest import QUIET, cli, run_dirs
 from tests.test_summary import SUMMARY
 
+pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
+
 EPOCHS, BATCHES = 2, 4
 TINY = ["--trainer.max_epochs", str(EPOCHS), "--trainer.limit_train_batches", str(BATCHES)]
 

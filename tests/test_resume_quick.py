@@ -1,0 +1,27 @@
+"""The fast tier's resume check: a crashed single-process fit resumed from its mid-epoch last.ckpt ends bitwise equal
+to the uninterrupted fit (the subprocess kills, DDP and the flag matrix are in the slow tier)."""
+
+import pytest
+import torch
+
+from tests.conftest import QUIET, cli_in_process
+
+ARGS = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "1",
+        "--model.warmup", "1", "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
+        "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
+        "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+
+
+def test_crashed_fit_resumes_mid_epoch_bitwise_equal(tmp_path):
+    cli_in_process("fit", *ARGS, root=tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *ARGS, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=10",
+                       root=tmp_path / "resumed")  # fmt: skip
+    last = tmp_path / "resumed" / "digits" / "version_0" / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, weights_only=True)
+    progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    assert saved["global_step"] == 8 and 0 < progress["current"]["completed"] < 6  # mid-epoch: epoch 1 of 6 batches
+    cli_in_process("fit", *ARGS, "--ckpt_path", "last", root=tmp_path / "resumed")
+    ref = torch.load(str(last).replace("resumed", "reference"), weights_only=True)["state_dict"]
+    got = torch.load(last, weights_only=True)["state_dict"]
+    assert all(torch.equal(got[k], v) for k, v in ref.items() if k.startswith("net."))
