@@ -6,8 +6,6 @@ To train on your own data, write a LightningDataModule like ``DigitsDataModule``
 exactly once under DDP.
 """
 
-import math
-
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
@@ -75,7 +73,7 @@ class DigitsDataModule(L.LightningDataModule):
             n, fraction = sum(len(s) for s in self.splits.values()), f"{split}_fraction"
             raise ValueError(
                 f"{fraction} ({hp[fraction]}) leaves no {split} samples: int({hp[fraction]} * {n}) = 0 of the {n} "
-                f"digits. Raise --data.{fraction} to at least {math.ceil(1e4 / n) / 1e4}."
+                f"digits. Raise --data.{fraction} to at least {-(-10000 // n) / 1e4}."
             )
         return make_loader(
             self.splits[split],

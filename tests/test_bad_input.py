@@ -220,7 +220,7 @@ def test_unusable_save_dir_is_named_before_anything_runs(trained, parse, tmp_pat
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     before = snapshot(trained)
-    code, err = parse("fit", "--trainer.logger.init_args.save_dir", str(blocker / "runs"), cwd=trained)
+    code, err = parse("fit", "--run.root", str(blocker / "runs"), cwd=trained)
     assert_one_clear_error(code, err, f"{blocker} is a file, not a folder", "Choose another")
     assert snapshot(trained) == before
 
