@@ -18,3 +18,14 @@ def test_every_config_parses(config, monkeypatch, capsys):
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["class_path"] and printed["data"]["class_path"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "configs").glob("debug_*.yaml")))
+def test_each_debug_preset_runs(preset, tmp_path):
+    from tests.conftest import QUIET, cli_in_process
+
+    cli = cli_in_process("fit", "--config", str(REPO / "configs" / preset), *QUIET, "--trainer.max_epochs", "2",
+                         "--trainer.limit_val_batches", "1", root=tmp_path / "runs")  # fmt: skip
+    assert cli.trainer.global_step > 0
+    assert cli.trainer.state.finished

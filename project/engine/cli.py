@@ -14,6 +14,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.utilities import rank_zero_only
 
 from project.engine.checkpoints import check_fits
+from project.engine.compat import cli_section
 from project.engine.config import SaveConfigOnce
 from project.engine.distributed import DestroyProcessGroup
 from project.engine.errors import check_yaml_files, one_line_errors, root_cause
@@ -64,7 +65,7 @@ class CLI(LightningCLI):
             )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        config = {**cli_section(self, self.config_init, "trainer"), **kwargs}
         callbacks = config.get("callbacks") or []
         callbacks = [*callbacks] if isinstance(callbacks, list) else [callbacks]
         # Lightning's bar, redrawn every 10 batches rather than after each (~0.1 ms of Python a redraw); not in the

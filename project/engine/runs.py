@@ -23,6 +23,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from project.engine.checkpoints import CheckpointLoadError, load_checkpoint_file
+from project.engine.compat import set_csv_columns
 
 RUN_RECORD = "run.json"  # the run's logger ids, for a resume to continue the same MLflow/W&B run
 
@@ -240,7 +241,7 @@ def keep_csv_history(plan: RunPlan, loggers: list[Any]) -> None:
                 rows_writer.writeheader()
                 rows_writer.writerows(rows)
             # the columns already in the file; without them its first write drops the ones it has not seen yet
-            writer.metrics_keys = list(rows[0])
+            set_csv_columns(writer, list(rows[0]))
 
 
 def write_record(run_dir: Path, loggers: list[Any]) -> None:

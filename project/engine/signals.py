@@ -11,6 +11,8 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from project.engine.compat import request_stop_at_batch_end
+
 # Exit codes of a run stopped by a signal after saving last.ckpt: 128 + the signal's number, as a shell reports a
 # process killed by it, so launchers (torchrun, SLURM, CI, scripts) see a failure and can restart.
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # 143
@@ -76,7 +78,7 @@ class Preemption(Callback):
             self._interrupted = True
             # Lightning's SIGTERM flag: every rank raises SIGTERMException at the end of this batch (after the
             # epoch's validation, if this was its last batch), where the loop's progress is complete.
-            trainer._signal_connector.received_sigterm = True
+            request_stop_at_batch_end(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):

@@ -1,0 +1,53 @@
+"""Each private Lightning API in project/engine/compat.py still exists and still does what the engine relies on;
+a Lightning upgrade that changes one fails here, naming it."""
+
+import contextlib
+
+import lightning as L
+from lightning.fabric.loggers.csv_logs import _ExperimentWriter
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from project.engine.compat import cli_section, request_stop_at_batch_end, set_csv_columns
+from project.module import Classifier
+from project.nets import MLP
+
+
+def test_trainer_signal_connector_received_sigterm_stops_every_rank_at_the_batch_end(tmp_path):
+    class StopAtThree(L.Callback):
+        def on_train_batch_end(self, trainer, *_):
+            if trainer.global_step == 3:
+                request_stop_at_batch_end(trainer)
+
+    trainer = L.Trainer(max_steps=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[StopAtThree()],
+                        default_root_dir=tmp_path)  # fmt: skip
+    assert hasattr(trainer, "_signal_connector") and hasattr(trainer._signal_connector, "received_sigterm"), (
+        "Trainer._signal_connector.received_sigterm is gone"
+    )
+    from project.data import DigitsDataModule
+
+    with contextlib.suppress(SIGTERMException):
+        trainer.fit(Classifier(MLP(), warmup=0), DigitsDataModule())
+    assert trainer.global_step == 3, "setting Trainer._signal_connector.received_sigterm no longer stops the loop"
+
+
+def test_lightning_cli_get_reads_a_config_section():
+    assert hasattr(LightningCLI, "_get"), "LightningCLI._get is gone"
+
+    class Stub:
+        subcommand = "fit"
+        _get = LightningCLI._get
+
+    assert cli_section(Stub(), {"fit": {"trainer": {"max_epochs": 3}}}, "trainer") == {"max_epochs": 3}
+    assert cli_section(Stub(), {"fit": {}}, "trainer") == {}
+
+
+def test_csv_experiment_writer_keeps_the_columns_it_is_given(tmp_path):
+    writer = _ExperimentWriter(str(tmp_path))
+    assert hasattr(writer, "metrics_keys"), "_ExperimentWriter.metrics_keys is gone"
+    (tmp_path / "metrics.csv").write_text("a,step\n1.0,0\n")
+    set_csv_columns(writer, ["a", "step"])
+    writer.log_metrics({"a": 2.0}, step=1)
+    writer.save()
+    assert (tmp_path / "metrics.csv").read_text().splitlines() == ["a,step", "1.0,0", "2.0,1"]
