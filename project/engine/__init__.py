@@ -1,0 +1,21 @@
+"""The engine: what makes a run never lose its work. Users do not edit it; a fix here reaches copies as a unit.
+
+What it guarantees, and what user code does to get each guarantee:
+
+- **Run folder** (``runs``, ``run_folder``): every invocation writes into ``<run.root>/<run.name>/version_N/``
+  (config, checkpoints, logs), never into an earlier run's; with any Lightning logger or none. Nothing to do.
+- **Exact resume** (``resume``, ``loaders``): ``fit --ckpt_path last`` continues the newest run bitwise equal to
+  an uninterrupted one (weights, optimizer, LR, every rank's RNG states, the data position mid-epoch), also under
+  DDP. User code: build train/val/test loaders with ``make_loader`` (else a mid-epoch resume restarts that
+  epoch's data order, and the start line says so); draw randomness from torch/numpy/random's global generators.
+- **Same run in every logger** (``runs``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
+  each step once. Nothing to do; an unknown logger class is named at start.
+- **Checkpoints that survive a kill** (``checkpoints``): written by atomic rename, loaded with ``weights_only``.
+- **Preemption, Ctrl-C, NaN** (``signals``, ``guards``): SIGTERM/SIGUSR1/Ctrl-C save ``last.ckpt`` and exit non-zero
+  on every rank; NaN/inf gradients stop before the weights change.
+- **Exact validation under DDP** (``loaders``): each validation sample on exactly one rank; log torchmetrics
+  ``Metric`` objects (``self.log(name, metric)``) for epoch values equal to the single-process ones.
+- **Bad input in one line** (``errors``, ``cli``): arguments, configs, checkpoints are checked before anything is
+  written. Raise ``ValueError`` with the reason from your constructors.
+- **Private Lightning APIs** live in ``compat`` only, each tested by name.
+"""
