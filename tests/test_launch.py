@@ -317,7 +317,7 @@ def test_sigusr1_makes_lightning_checkpoint_and_requeue_and_the_requeued_job_res
         calls = tmp_path / "scontrol.calls"
         wait_for(calls.is_file, 60, "scontrol requeue")
         assert calls.read_text().split() == ["requeue", "4242"]
-        assert list(tmp_path.glob("hpc_ckpt_*.ckpt"))
+        assert list((tmp_path / "runs" / "digits" / "version_0").glob("hpc_ckpt_*.ckpt"))  # in the run, not the cwd
         job.send_signal(signal.SIGTERM)  # what the requeue then does to the running job
         job.wait(timeout=120)
         # The requeued job runs the same line, and --ckpt_path last continues the same run folder.

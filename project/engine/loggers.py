@@ -62,10 +62,11 @@ class HeldUntilCheckpoint:
     """Stands in for a logger's ``log_metrics``: values wait until the next checkpoint, then go out in order.
 
     For loggers that cannot drop points (MLflow, W&B): a run killed after a checkpoint is resumed from it and logs
-    the steps after it again, which such a logger would then hold twice. Held back, only values up to a checkpoint
-    ever reach it, so a resumed run continues it with no step twice and none missing. The cost: what it shows lags
-    by up to one checkpoint interval, and the values since the last checkpoint are lost with a killed process
-    (the resumed run logs them again).
+    the steps after it again, which such a logger would then hold twice. Held back, only values of steps before a
+    checkpoint's ever reach it (Lightning logs a step's values after that step's checkpoint is saved, so they go
+    out at the next batch start), so a resumed run continues it with no step twice and none missing. The cost:
+    what it shows lags by up to one checkpoint interval, and the values since the last checkpoint are lost with a
+    killed process (the resumed run logs them again).
     """
 
     def __init__(self, logger: Any) -> None:
@@ -76,13 +77,14 @@ class HeldUntilCheckpoint:
     def hold(self, metrics: dict[str, Any], step: int | None = None) -> None:
         self.pending.append((dict(metrics), step))
 
-    def release(self) -> None:
-        pending, self.pending = self.pending, []
-        for metrics, step in pending:
+    def release(self, before: int | None = None) -> None:
+        """Hands over the values logged at steps < ``before`` (all of them when ``None``), in order."""
+        out = [(m, s) for m, s in self.pending if before is None or s is None or s < before]
+        self.pending = [(m, s) for m, s in self.pending if not (before is None or s is None or s < before)]
+        for metrics, step in out:
             self.log_metrics(metrics, step)
-        if pending:
+        if out:
             self.logger.save()
 
     def detach(self) -> None:
-        self.release()
         self.logger.log_metrics = self.log_metrics

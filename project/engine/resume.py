@@ -14,9 +14,9 @@ class ExactResume(Callback):
     """Puts in each checkpoint what Lightning leaves out and a bit-exact resume needs.
 
     - Every rank's torch, CUDA, numpy and Python RNG states, restored on resume.
-    - The loggers' buffers are flushed (at each checkpoint and each epoch start), so no point logged before the
-      checkpoint is lost if the process is killed right after it (the resumed run's ``purge_step`` drops those
-      logged after it).
+    - The loggers' buffers are flushed (at each checkpoint, and once Lightning has logged that step), so no point
+      logged before the checkpoint is lost if the process is killed after it (the resumed run's ``purge_step``
+      drops those logged after it).
 
     Lightning checkpoints hold no RNG state, so dropout masks (and anything else drawn from the global
     generators) differ after a resume. ``state_dict`` runs on every rank while a checkpoint is assembled, so the
@@ -27,17 +27,22 @@ class ExactResume(Callback):
     def __init__(self) -> None:
         self._trainer: L.Trainer | None = None
         self._to_restore: list[dict[str, torch.Tensor]] | None = None
+        self._flush_before_next_batch = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         _flush_loggers(trainer)
+        self._flush_before_next_batch = True
 
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # The epoch-end values (train/acc, ...) are logged after the epoch-end checkpoint, and a resume from that
-        # checkpoint does not log them again: out before the next epoch can be killed.
-        _flush_loggers(trainer)
+    def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        # Lightning hands a step's values (and an epoch's, train/acc ...) to the loggers after the batch-end and
+        # epoch-end hooks where checkpoints are saved, and a resume from that checkpoint does not log them again:
+        # out before the next batch can be killed.
+        if self._flush_before_next_batch:
+            _flush_loggers(trainer)
+            self._flush_before_next_batch = False
 
     def state_dict(self) -> dict[str, Any]:
         mine = _rng_tensors()

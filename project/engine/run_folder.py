@@ -1,6 +1,7 @@
 """The run folder at run time: every rank takes rank 0's folder, checkpoints land in it, logger ids are recorded."""
 
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -25,6 +26,8 @@ class RunFolder(Callback):
         self.plan = plan
         self.dir: Path = plan.dir
         self._held: list[HeldUntilCheckpoint] = []
+        self._checkpoint_step = 0  # values of steps before it may reach loggers that cannot drop points
+        self._release_at_next_batch = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.dir = Path(trainer.strategy.broadcast(str(self.plan.dir)))
@@ -43,18 +46,29 @@ class RunFolder(Callback):
             write_record(self.dir, trainer.loggers)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self._checkpoint_step = trainer.global_step
+        self._release()
+        self._release_at_next_batch = True
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        if self._release_at_next_batch:  # the checkpoint step's own values, which Lightning logged after saving it
+            self._release()
+            self._release_at_next_batch = False
+
+    def _release(self) -> None:
         for held in self._held:
-            held.release()
+            held.release(before=self._checkpoint_step)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Lightning calls this only when the stage finished: the last values go out (RunSummary's among them).
         for held in self._held:
+            held.release()
             held.detach()
         self._held = []
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # What was logged after the last checkpoint is dropped: the resumed run logs those steps again.
+        self._release()
         for held in self._held:
-            held.pending.clear()
             held.detach()
         self._held = []

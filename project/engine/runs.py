@@ -98,14 +98,24 @@ def _loads(path: Path) -> bool:
     return True
 
 
-def _checkpoints_newest_first(folder: Path, pattern: str = "*/checkpoints/*.ckpt") -> list[Path]:
-    files = [p for p in folder.glob(pattern) if p.is_file()]
+def _checkpoints_newest_first(folder: Path, *patterns: str) -> list[Path]:
+    files = [p for pattern in patterns for p in folder.glob(pattern) if p.is_file()]
     return sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
+# Where a run's checkpoints are: ModelCheckpoint's folder, and the run folder itself for Lightning's SLURM
+# checkpoint (hpc_ckpt_N.ckpt, written into default_root_dir when SIGUSR1 announces the time limit).
+RUN_CHECKPOINTS = ("*/checkpoints/*.ckpt", "*/hpc_ckpt_*.ckpt")
+
+
+def _run_of(checkpoint: Path) -> Path:
+    parent = checkpoint.resolve().parent
+    return parent.parent if parent.name == "checkpoints" else parent
+
+
 def find_last_checkpoint(family: Path) -> tuple[Path, int] | None:
-    """The most recently written checkpoint under ``family/*/checkpoints/`` that loads, and its global step."""
-    for path in _checkpoints_newest_first(family):
+    """The most recently written checkpoint of any run under ``family`` that loads, and its global step."""
+    for path in _checkpoints_newest_first(family, *RUN_CHECKPOINTS):
         try:
             return path, read_global_step(path)
         except ResumeError as error:
@@ -147,7 +157,7 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
     if ckpt_path == "last":
         found = find_last_checkpoint(family)
         if found is None:
-            rank_zero_info(f"--ckpt_path last: no checkpoint under {family}/*/checkpoints/; starting from scratch.")
+            rank_zero_info(f"--ckpt_path last: no checkpoint under {family}/*/; starting from scratch.")
             config["ckpt_path"] = None
             return RunPlan(next_version_dir(family))
         path, global_step = found
@@ -164,8 +174,8 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
             good = next((p for p in _checkpoints_newest_first(path.parent, "*.ckpt") if _loads(p)), None)
             hint = f" The newest other checkpoint beside it is {good}." if good else ""
             raise ResumeError(f"{error}.{hint} Resume from another file, or from 'last'.") from None
-        continues = path.name.startswith("last")
-    run_dir = path.resolve().parent.parent  # <run>/checkpoints/<file>.ckpt
+        continues = path.name.startswith(("last", "hpc_ckpt_"))
+    run_dir = _run_of(path)
     if subcommand == "fit" and continues and run_dir.parent == family.resolve() and run_dir.name[8:].isdigit():
         record_file = run_dir / RUN_RECORD
         record = json.loads(record_file.read_text()) if record_file.is_file() else {}
