@@ -77,7 +77,7 @@ class CLI(LightningCLI):
             # Lightning refuses ModelCheckpoint callbacks with checkpointing off, and under fast_dev_run (which
             # documents "checkpointing is suppressed") 2.6 still writes last.ckpt at the end: the flag is the intent
             callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
-        if config.get("logger") in (False, None, []) and any(isinstance(c, LearningRateMonitor) for c in callbacks):
+        if config.get("logger") in (False, []) and any(isinstance(c, LearningRateMonitor) for c in callbacks):
             # it refuses a Trainer without a logger; `--trainer.logger false` should not need a second flag
             callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
         if self.run_plan is not None:

@@ -1,12 +1,11 @@
 """The one line a run starts with: where it writes, what it resumed from, and which guarantee user code opted out of."""
 
-from typing import Any
-
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.utilities import CombinedLoader
 
 from project.engine.loaders import ResumableDataLoader, ResumableSampler
 from project.engine.runs import RunPlan
@@ -37,7 +36,7 @@ class Guarantees(Callback):
         checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
         if not checkpoints:
             out.append("checkpointing is off: nothing to resume from")
-        loaders = _flat(trainer.train_dataloader)
+        loaders = CombinedLoader(trainer.train_dataloader).flattened if trainer.train_dataloader is not None else []
         if any(not isinstance(dl, ResumableDataLoader) for dl in loaders):
             out.append("a train loader not built by make_loader: a mid-epoch resume restarts that epoch's data order")
         elif any(not isinstance(dl.sampler, ResumableSampler) for dl in loaders):
@@ -55,11 +54,3 @@ class Guarantees(Callback):
         exact = "yes, also mid-epoch" if not out else "see opts out"
         line = f"Run {trainer.default_root_dir} ({start}) | exact resume: {exact} | logs: {logs}"
         return line + (" | opts out: " + "; ".join(out) if out else "")
-
-
-def _flat(loaders: Any) -> list[Any]:
-    if isinstance(loaders, dict):
-        return [dl for value in loaders.values() for dl in _flat(value)]
-    if isinstance(loaders, (list, tuple)):
-        return [dl for value in loaders for dl in _flat(value)]
-    return [] if loaders is None else [loaders]

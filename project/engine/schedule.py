@@ -122,9 +122,7 @@ def _horizon(trainer: Any, warmup: int, max_schedule: int | None, unit: str, int
         if per_epoch is None:
             raise ValueError("the train loader has no length: give model.warmup and model.max_schedule in steps")
         to_steps = per_epoch
-    elif unit == "step" and interval == "epoch":
-        raise ValueError("interval='epoch' steps the schedule once per epoch: give it schedule_unit='epoch'")
-    else:
+    else:  # the same unit (interval 'epoch' with unit 'step' is refused by the module's constructor)
         to_steps = 1
     warmup_steps = warmup * to_steps
     if max_schedule is not None:
@@ -143,12 +141,6 @@ def _horizon(trainer: Any, warmup: int, max_schedule: int | None, unit: str, int
     total = min(lengths)
     what = "steps" if interval == "step" else "epochs"
     if warmup_steps > total:
-        return (
-            total,
-            total,
-            (
-                f"warmup ({warmup} {unit}s = {warmup_steps} {what}) is longer than this run ({total} {what}): warmup "
-                f"shortened to {total} {what}, no cosine decay"
-            ),
-        )
+        note = f"warmup ({warmup} {unit}s = {warmup_steps} {what}) is longer than this run ({total} {what})"
+        return total, total, f"{note}: warmup shortened to {total} {what}, no cosine decay"
     return warmup_steps, total, ""

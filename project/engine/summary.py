@@ -23,8 +23,8 @@ class RunSummary(L.Callback):
         self.line: str | None = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Here rather than in on_fit_end: loggers are still open, and trainer.log_dir (a broadcast, so every rank
-        # calls it) still has its process group.
+        # Here rather than in on_fit_end: loggers are still open, and the broadcast (every rank calls it) still
+        # has its process group.
         run_dir = trainer.strategy.broadcast(trainer.default_root_dir)  # the run folder (project.engine.runs)
         checkpoint = next((cb for cb in trainer.checkpoint_callbacks if getattr(cb, "monitor", None)), None)
         if not isinstance(checkpoint, ModelCheckpoint):
