@@ -58,29 +58,38 @@ class ThrottledTensorBoardLogger(TensorBoardLogger):
         super().finalize(status)
 
 
-class HeldUntilCheckpoint:
-    """Stands in for a logger's ``log_metrics``: values wait until the next checkpoint, then go out in order.
+class StepGate:
+    """Stands in for a logger's ``log_metrics`` during ``fit``, so that each step reaches the logger exactly once
+    across a kill and a resume.
 
-    For loggers that cannot drop points (MLflow, W&B): a run killed after a checkpoint is resumed from it and logs
-    the steps after it again, which such a logger would then hold twice. Held back, only values of steps before a
-    checkpoint's ever reach it (Lightning logs a step's values after that step's checkpoint is saved, so they go
-    out at the next batch start), so a resumed run continues it with no step twice and none missing. The cost:
-    what it shows lags by up to one checkpoint interval, and the values since the last checkpoint are lost with a
-    killed process (the resumed run logs them again).
+    - A resumed run drops values of steps before its checkpoint's (``resumed_at``): the interrupted run logged
+      them, also the epoch-end values Lightning logs again when the checkpoint came from the validation before an
+      epoch's end. Values of the checkpoint's step on are new; TensorBoard's ``purge_step`` and the CSV trim remove
+      the interrupted run's copies of those.
+    - ``hold`` (loggers that cannot drop points: MLflow, W&B): values wait and only those of steps before the last
+      checkpoint's go out (``release``), so a killed run never hands over a step its resume logs again. What such a
+      logger shows lags by up to one checkpoint interval.
     """
 
-    def __init__(self, logger: Any) -> None:
+    def __init__(self, logger: Any, resumed_at: int, hold: bool) -> None:
         self.logger, self.log_metrics = logger, logger.log_metrics
+        self.resumed_at, self.hold = resumed_at, hold
         self.pending: list[tuple[dict[str, float], int | None]] = []
-        logger.log_metrics = self.hold
+        logger.log_metrics = self.gate
 
-    def hold(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        self.pending.append((dict(metrics), step))
+    def gate(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        if step is not None and step < self.resumed_at:
+            return
+        if self.hold:
+            self.pending.append((dict(metrics), step))
+        else:
+            self.log_metrics(metrics, step)
 
     def release(self, before: int | None = None) -> None:
-        """Hands over the values logged at steps < ``before`` (all of them when ``None``), in order."""
-        out = [(m, s) for m, s in self.pending if before is None or s is None or s < before]
-        self.pending = [(m, s) for m, s in self.pending if not (before is None or s is None or s < before)]
+        """Hands over the held values of steps < ``before`` (all of them when ``None``), in order."""
+        later = [before is not None and s is not None and s >= before for _, s in self.pending]
+        out = [item for item, keep in zip(self.pending, later, strict=True) if not keep]
+        self.pending = [item for item, keep in zip(self.pending, later, strict=True) if keep]
         for metrics, step in out:
             self.log_metrics(metrics, step)
         if out:

@@ -28,6 +28,7 @@ class ExactResume(Callback):
         self._trainer: L.Trainer | None = None
         self._to_restore: list[dict[str, torch.Tensor]] | None = None
         self._flush_before_next_batch = False
+        self._epoch_started: int | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -36,7 +37,18 @@ class ExactResume(Callback):
         _flush_loggers(trainer)
         self._flush_before_next_batch = True
 
-    def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_started = trainer.current_epoch
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == 0 and self._epoch_started != trainer.current_epoch:
+            # Resumed from a checkpoint taken at the previous epoch's last batch end, Lightning 2.6 starts this
+            # epoch without calling on_train_epoch_start: the module's epoch-start work (e.g. resetting train
+            # metrics) would be skipped and the resumed run would differ from the uninterrupted one.
+            pl_module.on_train_epoch_start()
+            self._epoch_started = trainer.current_epoch
         # Lightning hands a step's values (and an epoch's, train/acc ...) to the loggers after the batch-end and
         # epoch-end hooks where checkpoints are saved, and a resume from that checkpoint does not log them again:
         # out before the next batch can be killed.

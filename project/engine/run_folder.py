@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 
-from project.engine.loggers import HeldUntilCheckpoint
+from project.engine.loggers import StepGate
 from project.engine.runs import RunPlan, write_record
 
 
@@ -19,13 +19,14 @@ class RunFolder(Callback):
       under torchrun each rank planned alone and may have seen another newest version).
     - ``run.json`` records the MLflow/W&B run ids at the start of ``fit``, for a resume to continue those runs.
     - During ``fit``, loggers that cannot drop points (all but TensorBoard and CSV, which drop what a killed run
-      logged after its checkpoint) receive values only at checkpoints (``HeldUntilCheckpoint``).
+      logged after its checkpoint) receive values only at checkpoints, and a resumed run drops the steps its
+      interrupted run logged (``StepGate``).
     """
 
     def __init__(self, plan: RunPlan) -> None:
         self.plan = plan
         self.dir: Path = plan.dir
-        self._held: list[HeldUntilCheckpoint] = []
+        self._gates: list[StepGate] = []
         self._checkpoint_step = 0  # values of steps before it may reach loggers that cannot drop points
         self._release_at_next_batch = False
 
@@ -35,10 +36,11 @@ class RunFolder(Callback):
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(self.dir / "checkpoints")
         if stage == "fit" and trainer.is_global_zero:
-            self._held = [
-                HeldUntilCheckpoint(logger)
+            resumed_at = self.plan.global_step if self.plan.continues else 0
+            self._gates = [
+                StepGate(logger, resumed_at, hold=not isinstance(logger, (TensorBoardLogger, CSVLogger)))
                 for logger in trainer.loggers
-                if not isinstance(logger, (TensorBoardLogger, CSVLogger, DummyLogger))
+                if not isinstance(logger, DummyLogger)
             ]
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -56,19 +58,19 @@ class RunFolder(Callback):
             self._release_at_next_batch = False
 
     def _release(self) -> None:
-        for held in self._held:
-            held.release(before=self._checkpoint_step)
+        for gate in self._gates:
+            gate.release(before=self._checkpoint_step)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Lightning calls this only when the stage finished: the last values go out (RunSummary's among them).
-        for held in self._held:
-            held.release()
-            held.detach()
-        self._held = []
+        for gate in self._gates:
+            gate.release()
+            gate.detach()
+        self._gates = []
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # What was logged after the last checkpoint is dropped: the resumed run logs those steps again.
         self._release()
-        for held in self._held:
-            held.detach()
-        self._held = []
+        for gate in self._gates:
+            gate.detach()
+        self._gates = []
