@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Pr
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
+from project.engine.after_fit import test_best
 from project.engine.checkpoints import check_fits
 from project.engine.compat import cli_section
 from project.engine.config import SaveConfigOnce
@@ -63,6 +64,10 @@ class CLI(LightningCLI):
             self.parser.error(
                 f"{error} Check the --trainer arguments: this machine has {torch.cuda.device_count()} CUDA GPU(s)."
             )
+
+    def after_fit(self) -> None:  # LightningCLI calls it once fit has returned: not after a preemption or a crash
+        if self.config["fit"]["run"]["test_after_fit"]:
+            test_best(self.trainer, self.model, self.datamodule)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = {**cli_section(self, self.config_init, "trainer"), **kwargs}
