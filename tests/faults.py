@@ -10,7 +10,7 @@ from typing import BinaryIO
 import lightning as L
 import torch
 
-from project.engine.checkpoints import AtomicCheckpointIO
+from project.engine.checkpoints import AtomicCheckpointIO, wait_for_writes
 
 
 class KillAt(L.Callback):
@@ -88,6 +88,7 @@ class NaNInputAt(L.Callback):
             import hashlib
             import json
 
+            wait_for_writes(trainer)  # the files as they stand after this step's saves, not half-way through one
             folder = Path(trainer.checkpoint_callback.dirpath)
             digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.ckpt"))}
             Path(self.hashes).write_text(json.dumps(digests))
