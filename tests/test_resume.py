@@ -13,11 +13,16 @@ from tests.conftest import DDP2, QUIET, REPO, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow
 
-# 3 epochs of 20 steps; last.ckpt at every epoch end and every 50 steps (the default config's two writers).
-BASE = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "3", "--model.warmup", "1"]
+# A last.ckpt writer every 50 optimizer steps besides the default ones (last.ckpt at every epoch end, and every 10
+# minutes, which these runs never reach), so that a mid-epoch checkpoint exists.
+EVERY_50 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=50",
+            "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
+            "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+# 3 epochs of 20 steps; last.ckpt at every epoch end and at step 50.
+BASE = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "3", "--model.warmup", "1", *EVERY_50]
 # 2 ranks x batch 48: 14 steps per epoch, so step 50 is mid-epoch (epoch 3, batch 8).
 DDP = [*QUIET, *DDP2, "--trainer.max_epochs", "4", "--trainer.limit_val_batches", "3", "--model.warmup", "1",
-       "--data.batch_size", "48"]  # fmt: skip
+       "--data.batch_size", "48", *EVERY_50]  # fmt: skip
 
 
 def kill_at(step: int, sig: int = 9) -> list[str]:
