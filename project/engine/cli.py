@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from project.engine.after_fit import test_best
 from project.engine.checkpoints import check_fits
 from project.engine.compat import cli_section
-from project.engine.config import SaveConfigOnce
+from project.engine.config import SaveConfigOnce, default_config_candidates, find_default_config
 from project.engine.distributed import DestroyProcessGroup
 from project.engine.errors import check_yaml_files, one_line_errors, root_cause
 from project.engine.guarantees import Guarantees
@@ -27,7 +27,6 @@ from project.engine.run_folder import RunFolder
 from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point_loggers_at
 from project.engine.signals import Preemption
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
@@ -93,7 +92,12 @@ class CLI(LightningCLI):
 
 def cli_main(args: ArgsType = None) -> CLI:
     # Subclass mode (no model/data class given): any LightningModule, DataModule or net is one class_path away.
-    defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
+    default = find_default_config()
+    argv = sys.argv[1:] if args is None else args
+    if default is None and isinstance(argv, list) and not {"-c", "--config", "-h", "--help"} & set(map(str, argv)):
+        looked = " or ".join(str(path) for path in default_config_candidates())
+        rank_zero_only(print)(f"note: no base config at {looked}: only the --config files and flags given apply")
+    defaults = [str(default)] if default else []
     with one_line_errors():
         return CLI(
             save_config_callback=SaveConfigOnce,
