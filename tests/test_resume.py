@@ -33,6 +33,13 @@ def kill_at(step: int, sig: int = 9) -> list[str]:
     ]
 
 
+def seeded_random(what: str) -> random.Random:
+    """A new draw each run, printed (pytest shows it when the test fails) and repeatable with TEST_SEED=<seed>."""
+    seed = int(os.environ.get("TEST_SEED", random.SystemRandom().randrange(2**32)))
+    print(f"{what} drawn with TEST_SEED={seed}")
+    return random.Random(seed)
+
+
 def final_state(cwd):
     (run,) = run_dirs(cwd)
     return run, torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
@@ -88,7 +95,7 @@ def test_resume_with_loader_workers_is_exact(uninterrupted, tmp_path):
 
 
 def test_resume_at_a_random_step_is_exact(uninterrupted, tmp_path):
-    step = random.Random().randint(21, 59)
+    step = seeded_random("kill step").randint(21, 59)
     interrupted_then_resumed(tmp_path, BASE, step=step)
     assert_same_run(uninterrupted, tmp_path)
 
@@ -141,7 +148,7 @@ def test_truncated_checkpoint_names_the_file_and_last_picks_a_good_one(uninterru
     (run,) = run_dirs(tmp_path)
     last = run / "checkpoints" / "last.ckpt"
     data = last.read_bytes()
-    last.write_bytes(data[: random.Random().randint(1, len(data) - 1)])
+    last.write_bytes(data[: seeded_random("truncation length").randint(1, len(data) - 1)])
     proc = cli("fit", *BASE, "--ckpt_path", str(last), cwd=tmp_path, check=False)
     assert proc.returncode == 2
     assert f"{last} is not a readable checkpoint" in proc.stderr and "newest other checkpoint" in proc.stderr
