@@ -7,11 +7,12 @@ runs before anything is installed.
 
 import re
 import sys
-import tomllib
 from pathlib import Path
 
-pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-for line in pyproject["project"]["dependencies"]:
+# [project]'s dependency list, by hand: tomllib is Python 3.11+, and this runs on the machine's python3
+text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+block = re.search(r"^dependencies = \[(.*?)^\]", text, flags=re.S | re.M).group(1)
+for line in re.findall(r'^\s*"([^"]+)"', block, flags=re.M):
     name = re.match(r"[A-Za-z0-9_.-]+", line).group()
     floors = re.findall(r">=\s*([^,;\s\]]+)", line)
     if len(floors) != 1:
