@@ -86,9 +86,20 @@ class CLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
-def cli_main(args: ArgsType = None) -> CLI:
+def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
+    """``python -m project fit|validate|test|predict ...``, or ``sweep ...`` (``project.engine.sweep``).
+
+    ``run=False``: parse and instantiate ``args`` (no subcommand) and run nothing, e.g. to check a sweep's space.
+    """
+    argv = sys.argv[1:] if args is None else list(args)
+    if run and argv[:1] == ["sweep"]:
+        from project.engine.sweep import sweep_main  # optuna, from the sweep extra, only when sweeping
+
+        sweep_main(argv[1:])
+        return None
     # Subclass mode (no model/data class given): any LightningModule, DataModule or net is one class_path away.
     defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
+    kwargs = {"default_config_files": defaults, "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}
     with one_line_errors():
         return CLI(
             save_config_callback=SaveConfigOnce,
@@ -98,9 +109,7 @@ def cli_main(args: ArgsType = None) -> CLI:
                 "callbacks": [ExactResume(), Preemption(), StopOnNonFinite(), DestroyProcessGroup(), PredictionWriter()]
             },
             # The usage line, not all 60 options, above an error; --help lists them.
-            parser_kwargs={
-                sub: {"default_config_files": defaults, "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}
-                for sub in SUBCOMMANDS
-            },
+            parser_kwargs={sub: kwargs for sub in SUBCOMMANDS} if run else kwargs,
             args=args,
+            run=run,
         )
