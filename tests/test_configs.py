@@ -7,8 +7,10 @@ import yaml
 
 from tests.conftest import REPO
 
+FIT_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("sweep"))
 
-@pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+
+@pytest.mark.parametrize("config", FIT_CONFIGS, ids=lambda p: p.name)
 def test_every_config_parses(config, monkeypatch, capsys):
     from project.engine.cli import cli_main
 
@@ -18,6 +20,17 @@ def test_every_config_parses(config, monkeypatch, capsys):
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["class_path"] and printed["data"]["class_path"]
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "configs").glob("sweep*.yaml")), ids=lambda p: p.name)
+def test_every_sweep_config_parses_and_its_space_fits_the_fit_parser(config, monkeypatch):
+    from project.engine.sweep import Sweep, build_parser
+    from project.engine.sweep_space import check_space
+
+    parser = build_parser()
+    init = parser.instantiate_classes(parser.parse_args(["--config", str(config)]))
+    sweep = Sweep(**{k: v for k, v in vars(init).items() if k not in ("config", "workers", "show", "report")})
+    check_space(sweep.space, sweep.fit)  # raises ValueError naming a key or value that fit refuses
 
 
 @pytest.mark.slow
