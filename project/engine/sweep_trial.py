@@ -79,13 +79,13 @@ class ReportToStudy(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
+        if self.monitor not in trainer.callback_metrics:  # on every rank (they log alike): none waits for rank 0
+            logged = ", ".join(sorted(trainer.callback_metrics)) or "nothing"
+            raise ValueError(f"the sweep's monitor {self.monitor!r} is not logged (logged: {logged}); fix monitor")
         prune = False
         if trainer.is_global_zero:
-            if self.monitor not in trainer.callback_metrics:
-                logged = ", ".join(sorted(trainer.callback_metrics)) or "nothing"
-                raise ValueError(f"the sweep's monitor {self.monitor!r} is not logged (logged: {logged}); fix monitor")
             trial, epoch = self._open(), trainer.current_epoch
-            # a resumed run reports the epochs after its checkpoint again, with the same values (exact resume)
+            # once per epoch: the killed run of a resumed trial may have reported this one (the same value)
             if epoch not in self._storage.get_trial(self._id).intermediate_values:
                 trial.report(float(trainer.callback_metrics[self.monitor]), step=epoch)
             prune = self.pruner is not None and trial.should_prune()
