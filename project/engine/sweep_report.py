@@ -75,14 +75,17 @@ def plot(study: optuna.Study, monitor: str, path: Path) -> str:
     history.set(xlabel="trial", ylabel=monitor, title="Optimisation history")
     history.xaxis.set_major_locator(MaxNLocator(integer=True))
     history.legend()
-    note = "history and importances"
-    try:
-        importances = optuna.importance.get_param_importances(study)
-    except (ValueError, RuntimeError) as error:  # fewer than 2 finished trials, or a space of one value
-        importances, note = {}, f"history only (importances: {error})"
+    note, importances = "history and importances", {}
+    if len(done) < 2:
+        note = "history only (importances need 2 finished trials)"
+    else:
+        try:
+            importances = optuna.importance.get_param_importances(study)
+        except (ValueError, RuntimeError) as error:  # e.g. a space of one value
+            note = f"history only (importances: {error})"
     names = list(importances)[::-1]
     importance.barh(names, [importances[n] for n in names])
-    importance.set(xlabel="importance (fANOVA)", title="Parameter importances")
+    importance.set(xlabel="importance (Optuna's default evaluator)", title="Parameter importances")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
