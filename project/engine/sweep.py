@@ -218,7 +218,9 @@ def trial_command(sweep: Sweep, number: int, params: dict[str, Any]) -> list[str
     }
     if sweep.pruner_config is not None:
         report_to_study["init_args"]["pruner"] = sweep.pruner_config
-    values = [f"--{key}={value}" for key, value in params.items()]
+    # a class path (model.init_args.net) before its own arguments (model.init_args.net.init_args.dropout), which
+    # jsonargparse would otherwise apply to the class it replaces
+    values = [f"--{key}={value}" for key, value in sorted(params.items(), key=lambda item: item[0].count("."))]
     return [
         *(sys.executable, "-m", PACKAGE, "fit", *sweep.fit, "--run.root", str(sweep.folder)),
         *("--run.name", f"trial_{number}", *values, f"--trainer.callbacks+={json.dumps(report_to_study)}"),
