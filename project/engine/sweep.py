@@ -27,7 +27,7 @@ from project.engine.errors import root_cause
 from project.engine.runs import check_save_dir
 from project.engine.sweep_report import report
 from project.engine.sweep_space import check_space, check_spec, suggest
-from project.engine.sweep_trial import open_storage, trial_id
+from project.engine.sweep_trial import ReportToStudy, open_storage, trial_id
 
 PACKAGE = __name__.split(".")[0]  # `python -m project`, whatever a copy of the template renamed it to
 RESUMABLE = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # the trial saved last.ckpt and stopped: resume it
@@ -117,6 +117,8 @@ def sweep_main(argv: list[str]) -> None:
             check_space(sweep.space, sweep.fit)  # every key and range against the real fit parser
     except ValueError as error:
         parser.error(" ".join(str(root_cause(error)).split()))
+    if config.show and not sweep.folder.is_dir():
+        parser.error(f"--show: no sweep in {sweep.folder} yet; run it without --show first")
     sweep.folder.mkdir(parents=True, exist_ok=True)
     with sweep_lock(sweep.folder):
         study = open_study(sweep, create=not config.show, error=parser.error)
@@ -213,7 +215,7 @@ def _set_params(sweep: Sweep, study: optuna.Study, storage: optuna.storages.Base
 
 def trial_command(sweep: Sweep, number: int, params: dict[str, Any]) -> list[str]:
     report_to_study = {
-        "class_path": "project.engine.sweep_trial.ReportToStudy".replace("project", PACKAGE, 1),
+        "class_path": f"{ReportToStudy.__module__}.{ReportToStudy.__qualname__}",
         "init_args": {"storage": sweep.storage, "study": sweep.name, "trial": number, "monitor": sweep.monitor},
     }
     if sweep.pruner_config is not None:
