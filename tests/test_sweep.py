@@ -53,6 +53,24 @@ def results(study: optuna.Study, below: int) -> list[tuple]:
     return [(t.number, t.state, t.params, t.value, t.intermediate_values) for t in study.trials if t.number < below]
 
 
+def show(config: str) -> str:
+    """``python -m project sweep --config CONFIG --show``, in this process; what it printed."""
+    from contextlib import redirect_stdout
+    from io import StringIO
+    from unittest import mock
+
+    from project.engine.cli import cli_main
+
+    out = StringIO()
+    with mock.patch.object(sys, "argv", ["project"]), redirect_stdout(out):
+        cli_main(["sweep", "--config", config, "--show"])
+    return out.getvalue()
+
+
+def table_rows(output: str) -> list[str]:
+    return [line for line in output.splitlines() if re.match(r"^\d+\s+(complete|pruned|fail|running)", line)]
+
+
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
 
@@ -101,6 +119,8 @@ def test_sweep_runs_trials_as_runs_prunes_the_bad_one_and_a_killed_sweep_continu
     )
     assert first.returncode == -9 and (tmp_path / "killed").exists(), f"seed {seed}: not killed\n{first.stdout[-2000:]}"
     assert load(tmp_path, "killed").trials[victim].state == optuna.trial.TrialState.RUNNING
+    shown = show(config)  # on demand, between the kill and the restart: the trial shows as running
+    assert re.search(rf"^{victim}\s+running", shown, re.M), shown
     second = cli("sweep", "--config", config, cwd=tmp_path, timeout=900).stdout  # the same command again
     assert f"trial {victim} was left running by a dead worker; resuming it" in second, f"seed {seed}\n{second[-2000:]}"
     log = (tmp_path / "runs" / "killed" / f"trial_{victim}" / "fit.log").read_text()
@@ -108,6 +128,7 @@ def test_sweep_runs_trials_as_runs_prunes_the_bad_one_and_a_killed_sweep_continu
     assert sorted(p.name for p in (tmp_path / "runs" / "killed" / f"trial_{victim}").glob("version_*")) == ["version_0"]
 
     killed = load(tmp_path, "killed")
+    assert table_rows(show(config)) == table_rows(second)  # --show prints the table the sweep ended with
     assert results(killed, 3) == results(calm, 3), f"seed {seed}: trial results differ from the uninterrupted sweep"
     for number in range(3):  # every trial's weights, the resumed one's included, bit-equal
         a, b = (weights(tmp_path / "runs" / s / f"trial_{number}" / "version_0") for s in ("calm", "killed"))
