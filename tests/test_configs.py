@@ -24,12 +24,11 @@ def test_every_config_parses(config, monkeypatch, capsys):
 
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("sweep*.yaml")), ids=lambda p: p.name)
 def test_every_sweep_config_parses_and_its_space_fits_the_fit_parser(config, monkeypatch):
-    from project.engine.sweep import Sweep, build_parser
+    from project.engine.sweep import build_parser, sweep_from
     from project.engine.sweep_space import check_space
 
     parser = build_parser()
-    init = parser.instantiate_classes(parser.parse_args(["--config", str(config)]))
-    sweep = Sweep(**{k: v for k, v in vars(init).items() if k not in ("config", "workers", "show", "report")})
+    sweep = sweep_from(parser, parser.parse_args(["--config", str(config)]))
     check_space(sweep.space, sweep.fit)  # raises ValueError naming a key or value that fit refuses
 
 

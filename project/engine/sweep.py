@@ -102,14 +102,19 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def sweep_from(parser: ArgumentParser, config: Any) -> Sweep:
+    """The ``Sweep`` of a parsed command line; raises ``ValueError`` for a bad one."""
+    init = parser.instantiate_classes(config)
+    sweep = Sweep(**{k: v for k, v in vars(init).items() if k not in ("config", "workers", "show", "report")})
+    sweep.pruner_config = config.pruner.as_dict() if config.pruner is not None else None
+    return sweep
+
+
 def sweep_main(argv: list[str]) -> None:
     parser = build_parser()
     config = parser.parse_args(argv)
     try:
-        pruner_config = config.pruner.as_dict() if config.pruner is not None else None
-        init = parser.instantiate_classes(config)
-        sweep = Sweep(**{k: v for k, v in vars(init).items() if k not in ("config", "workers", "show", "report")})
-        sweep.pruner_config = pruner_config
+        sweep = sweep_from(parser, config)
         if config.workers < 1:
             raise ValueError(f"--workers ({config.workers}) must be >= 1")
         check_save_dir(sweep.folder)
