@@ -10,7 +10,7 @@ ARGS ?=
 # 2 on the 2-core CI machine: 7m50s instead of ~11 min; WORKERS=0 runs in this process.
 WORKERS ?= 2
 
-.PHONY: help setup train test test-fast lint format tensorboard plot clean
+.PHONY: help setup train test test-fast test-oldest lint format tensorboard plot clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -32,6 +32,15 @@ test: setup  ## run the whole test suite, multi-process tests included
 
 test-fast: setup  ## skip the slow multi-process tests
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+
+test-oldest:  ## the fast tests on the oldest versions pyproject.toml allows, in .venv-oldest (CI runs it)
+	$(PYTHON) -m venv .venv-oldest
+	.venv-oldest/bin/pip install --quiet --upgrade pip
+	.venv-oldest/bin/pip install --quiet $(TORCH)
+	$(PYTHON) .ci/oldest_constraints.py > .venv-oldest/constraints.txt
+	.venv-oldest/bin/pip install --quiet -c .venv-oldest/constraints.txt -e ".[dev]"
+	.venv-oldest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
+	.venv-oldest/bin/python -m pytest -m "not slow" -p no:cacheprovider $(ARGS)
 
 lint: setup  ## ruff lint and format check
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

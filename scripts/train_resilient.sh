@@ -12,7 +12,7 @@
 #                     elastic); --nproc_per_node, --nnodes and --rdzv are passed to it
 #
 # A crash loses at most the steps since the last checkpoint (configs/default.yaml refreshes last.ckpt every
-# 50 optimizer steps and at every epoch end). Exit 0 ends the loop, and so does a preempted run (exit 143, it
+# 10 minutes of training and at every epoch end). Exit 0 ends the loop, and so does a preempted run (exit 143, it
 # saved last.ckpt) or a Ctrl-C (130): those are the scheduler's or the user's decision, not a crash. Examples:
 #   scripts/train_resilient.sh --config configs/ddp.yaml --trainer.devices 4
 #   scripts/train_resilient.sh --torchrun --nproc_per_node 8 --nnodes 2 --rdzv 10.0.0.1:29500 --config configs/ddp.yaml

@@ -10,7 +10,7 @@ from typing import BinaryIO
 import lightning as L
 import torch
 
-from project.engine.checkpoints import AtomicCheckpointIO
+from project.engine.checkpoints import AtomicCheckpointIO, wait_for_writes
 
 
 class KillAt(L.Callback):
@@ -88,6 +88,7 @@ class NaNInputAt(L.Callback):
             import hashlib
             import json
 
+            wait_for_writes(trainer)  # the files as they stand after this step's saves, not half-way through one
             folder = Path(trainer.checkpoint_callback.dirpath)
             digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.ckpt"))}
             Path(self.hashes).write_text(json.dumps(digests))
@@ -153,6 +154,49 @@ class CrashAt(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
         if trainer.global_step == self.step:
             raise RuntimeError("injected crash")
+
+
+class SlowWriter(AtomicCheckpointIO):
+    """The template's checkpoint writer, each of whose writes first sleeps ``delay`` seconds (a slow disk), so that
+    a test can act while a background write is in flight.
+
+    Args:
+        delay: Seconds each write waits before writing.
+    """
+
+    def __init__(self, delay: float = 1.0) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def _write(self, checkpoint: dict, f: BinaryIO) -> None:
+        import time
+
+        time.sleep(self.delay)
+        super()._write(checkpoint, f)
+
+
+class KillDuringWrite(AtomicCheckpointIO):
+    """The template's checkpoint writer, which SIGKILLs its process half-way through writing file ``name`` at global
+    step ``step``: a crash during a background write, the loop having gone on.
+
+    Args:
+        step: Global step of the save to die in.
+        name: File name of that save (e.g. ``last.ckpt``).
+    """
+
+    def __init__(self, step: int, name: str = "last.ckpt") -> None:
+        super().__init__()
+        self.step, self.name = step, name
+
+    def _write(self, checkpoint: dict, f: BinaryIO) -> None:
+        if checkpoint["global_step"] != self.step or Path(f.name).name != f"{self.name}.tmp":
+            return super()._write(checkpoint, f)
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        f.write(buffer.getvalue()[: buffer.tell() // 2])
+        f.flush()
+        os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class KillGroupAt(L.Callback):

@@ -5,10 +5,11 @@ import contextlib
 
 import lightning as L
 from lightning.fabric.loggers.csv_logs import _ExperimentWriter
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from project.engine.compat import cli_section, request_stop_at_batch_end, set_csv_columns
+from project.engine.compat import cli_section, request_stop_at_batch_end, set_csv_columns, state_key_arguments
 from project.module import Classifier
 from project.nets import MLP
 
@@ -51,3 +52,11 @@ def test_csv_experiment_writer_keeps_the_columns_it_is_given(tmp_path):
     writer.log_metrics({"a": 2.0}, step=1)
     writer.save()
     assert (tmp_path / "metrics.csv").read_text().splitlines() == ["a,step", "1.0,0", "2.0,1"]
+
+
+def test_model_checkpoint_state_key_holds_its_monitor_and_mode():
+    key = ModelCheckpoint(monitor="val/loss", mode="min").state_key
+    assert key.startswith("ModelCheckpoint{"), f"Callback._generate_state_key's format changed: {key}"
+    assert {k: state_key_arguments(key).get(k) for k in ("monitor", "mode")} == {"monitor": "val/loss", "mode": "min"}
+    assert state_key_arguments(ModelCheckpoint(monitor="val/acc", mode="max").state_key)["mode"] == "max"
+    assert state_key_arguments("NotACallbackKey") == {}

@@ -15,6 +15,9 @@ What it guarantees, and what user code does to get each guarantee:
   on every rank; NaN/inf gradients stop before the weights change.
 - **Exact validation under DDP** (``loaders``): each validation sample on exactly one rank; log torchmetrics
   ``Metric`` objects (``self.log(name, metric)``) for epoch values equal to the single-process ones.
+- **Checkpoints by name** (``runs``, ``best``, ``after_fit``): ``--ckpt_path best`` / a run folder pick the run's
+  best by its ``ModelCheckpoint``'s own record in each file, else its last, saying which; ``--run.test_after_fit``
+  tests a finished fit's best into the same run. User code: ``self.log`` the monitored metric.
 - **Bad input in one line** (``errors``, ``cli``): arguments, configs, checkpoints are checked before anything is
   written. Raise ``ValueError`` with the reason from your constructors.
 - **Sweeps that survive a crash** (``sweep``, ``sweep_space``, ``sweep_trial``, ``sweep_report``): an Optuna study

@@ -13,9 +13,10 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Pr
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
+from project.engine.after_fit import test_best
 from project.engine.checkpoints import check_fits
 from project.engine.compat import cli_section
-from project.engine.config import SaveConfigOnce
+from project.engine.config import SaveConfigOnce, default_config_candidates, find_default_config
 from project.engine.distributed import DestroyProcessGroup
 from project.engine.errors import check_yaml_files, one_line_errors, root_cause
 from project.engine.guarantees import Guarantees
@@ -26,7 +27,6 @@ from project.engine.run_folder import RunFolder
 from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point_loggers_at
 from project.engine.signals import Preemption
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
@@ -64,6 +64,10 @@ class CLI(LightningCLI):
                 f"{error} Check the --trainer arguments: this machine has {torch.cuda.device_count()} CUDA GPU(s)."
             )
 
+    def after_fit(self) -> None:  # LightningCLI calls it once fit has returned: not after a preemption or a crash
+        if self.config["fit"]["run"]["test_after_fit"]:
+            test_best(self.trainer, self.model, self.datamodule)
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = {**cli_section(self, self.config_init, "trainer"), **kwargs}
         callbacks = config.get("callbacks") or []
@@ -91,14 +95,18 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
 
     ``run=False``: parse and instantiate ``args`` (no subcommand) and run nothing, e.g. to check a sweep's space.
     """
-    argv = sys.argv[1:] if args is None else list(args)
-    if run and argv[:1] == ["sweep"]:
+    argv = sys.argv[1:] if args is None else args
+    if run and isinstance(argv, list | tuple) and list(argv[:1]) == ["sweep"]:
         from project.engine.sweep import sweep_main  # optuna, from the sweep extra, only when sweeping
 
         sweep_main(argv[1:])
         return None
     # Subclass mode (no model/data class given): any LightningModule, DataModule or net is one class_path away.
-    defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
+    default = find_default_config()
+    if default is None and isinstance(argv, list) and not {"-c", "--config", "-h", "--help"} & set(map(str, argv)):
+        looked = " or ".join(str(path) for path in default_config_candidates())
+        rank_zero_only(print)(f"note: no base config at {looked}: only the --config files and flags given apply")
+    defaults = [str(default)] if default else []
     kwargs = {"default_config_files": defaults, "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}
     with one_line_errors():
         return CLI(

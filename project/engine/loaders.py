@@ -116,6 +116,14 @@ def make_loader(
         if rank != 0:
             dataset = Subset(dataset, [0])
         world, rank = 1, 0
+    size = len(dataset)  # type: ignore[arg-type]
+    if not train and size < world:
+        # Some rank would get no batch: Lightning stops that rank alone with a traceback and the others then fail
+        # in their next collective. Every rank raises this alike instead.
+        raise ValueError(
+            f"the evaluation/predict set has {size} sample(s), fewer than the {world} ranks, and each rank needs "
+            f"one. Run it on {max(size, 1)} device(s) or fewer (--trainer.devices), or on more samples."
+        )
     sampler = ResumableSampler(dataset, world, rank, shuffle=train, seed=seed, pad=train)
     batch_size = kwargs.get("batch_size", 1)
     if train and batch_size is not None and batch_size > sampler.num_samples:
