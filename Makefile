@@ -48,6 +48,9 @@ lint: setup  ## ruff lint and format check
 format: setup  ## apply ruff's fixes and formatting
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
 
+sweep: setup  ## run, or after a crash continue, configs/sweep.yaml (make sweep ARGS="--workers 2", ARGS=--show)
+	$(BIN)/python -m project sweep --config configs/sweep.yaml $(ARGS)
+
 tensorboard: setup  ## serve runs/ on http://127.0.0.1:6006 (ssh -L 6006:127.0.0.1:6006 from your laptop)
 	$(BIN)/tensorboard --logdir runs --host 127.0.0.1 --port 6006
 

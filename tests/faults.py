@@ -197,3 +197,34 @@ class KillDuringWrite(AtomicCheckpointIO):
         f.flush()
         os.fsync(f.fileno())
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillGroupAt(L.Callback):
+    """SIGKILLs this process's whole process group (a sweep and its trial, when the test started the sweep in a
+    session of its own) when optimizer step ``step`` of the run whose folder contains ``run_part`` is about to run:
+    a machine that dies mid-trial. Once: it creates ``once_marker`` and never fires while it exists."""
+
+    def __init__(self, step: int, run_part: str, once_marker: str) -> None:
+        self.step, self.run_part, self.once_marker = step, run_part, once_marker
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
+        if trainer.global_step != self.step or self.run_part not in str(trainer.default_root_dir):
+            return
+        if Path(self.once_marker).exists():
+            return
+        Path(self.once_marker).touch()
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+class StepsPerRank(L.Callback):
+    """Probe: each rank writes ``{"global_step", "epoch"}`` where its ``fit`` ended to ``out_dir/rank{R}.json``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        record = {"global_step": trainer.global_step, "epoch": trainer.current_epoch}
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))

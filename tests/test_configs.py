@@ -8,8 +8,10 @@ import yaml
 
 from tests.conftest import REPO
 
+FIT_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("sweep"))
 
-@pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+
+@pytest.mark.parametrize("config", FIT_CONFIGS, ids=lambda p: p.name)
 def test_every_config_parses(config, monkeypatch, capsys):
     from project.engine.cli import cli_main
 
@@ -19,6 +21,16 @@ def test_every_config_parses(config, monkeypatch, capsys):
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["class_path"] and printed["data"]["class_path"]
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "configs").glob("sweep*.yaml")), ids=lambda p: p.name)
+def test_every_sweep_config_parses_and_its_space_fits_the_fit_parser(config, monkeypatch):
+    from project.engine.sweep import build_parser, sweep_from
+    from project.engine.sweep_space import check_space
+
+    parser = build_parser()
+    sweep = sweep_from(parser, parser.parse_args(["--config", str(config)]))
+    check_space(sweep.space, sweep.fit)  # raises ValueError naming a key or value that fit refuses
 
 
 @pytest.mark.slow

@@ -20,5 +20,8 @@ What it guarantees, and what user code does to get each guarantee:
   tests a finished fit's best into the same run. User code: ``self.log`` the monitored metric.
 - **Bad input in one line** (``errors``, ``cli``): arguments, configs, checkpoints are checked before anything is
   written. Raise ``ValueError`` with the reason from your constructors.
+- **Sweeps that survive a crash** (``sweep``, ``sweep_space``, ``sweep_trial``, ``sweep_report``): an Optuna study
+  whose trials are ordinary ``fit`` runs with every guarantee above; killed and restarted, it continues each trial
+  from its ``last.ckpt``. User code: log the metric the sweep monitors.
 - **Private Lightning APIs** live in ``compat`` only, each tested by name.
 """

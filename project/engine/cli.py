@@ -90,14 +90,24 @@ class CLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
-def cli_main(args: ArgsType = None) -> CLI:
+def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
+    """``python -m project fit|validate|test|predict ...``, or ``sweep ...`` (``project.engine.sweep``).
+
+    ``run=False``: parse and instantiate ``args`` (no subcommand) and run nothing, e.g. to check a sweep's space.
+    """
+    argv = sys.argv[1:] if args is None else args
+    if run and isinstance(argv, list | tuple) and list(argv[:1]) == ["sweep"]:
+        from project.engine.sweep import sweep_main  # optuna, from the sweep extra, only when sweeping
+
+        sweep_main(argv[1:])
+        return None
     # Subclass mode (no model/data class given): any LightningModule, DataModule or net is one class_path away.
     default = find_default_config()
-    argv = sys.argv[1:] if args is None else args
     if default is None and isinstance(argv, list) and not {"-c", "--config", "-h", "--help"} & set(map(str, argv)):
         looked = " or ".join(str(path) for path in default_config_candidates())
         rank_zero_only(print)(f"note: no base config at {looked}: only the --config files and flags given apply")
     defaults = [str(default)] if default else []
+    kwargs = {"default_config_files": defaults, "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}
     with one_line_errors():
         return CLI(
             save_config_callback=SaveConfigOnce,
@@ -107,9 +117,7 @@ def cli_main(args: ArgsType = None) -> CLI:
                 "callbacks": [ExactResume(), Preemption(), StopOnNonFinite(), DestroyProcessGroup(), PredictionWriter()]
             },
             # The usage line, not all 60 options, above an error; --help lists them.
-            parser_kwargs={
-                sub: {"default_config_files": defaults, "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}
-                for sub in SUBCOMMANDS
-            },
+            parser_kwargs={sub: kwargs for sub in SUBCOMMANDS} if run else kwargs,
             args=args,
+            run=run,
         )
