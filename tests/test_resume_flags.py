@@ -23,8 +23,7 @@ CASES = {
     "accumulate_grad_batches 3": (["--trainer.accumulate_grad_batches", "3"], 14, 17),  # 7 steps an epoch
     "val_check_interval 0.5": (["--trainer.val_check_interval", "0.5"], 20, 33),  # 30: the mid-epoch validation's
     "check_val_every_n_epoch 2": (["--trainer.check_val_every_n_epoch", "2"], 20, 47),
-    "num_workers 2": (["--data.num_workers", "2", "--data.persistent_workers", "true"], 40, 48),
-}
+}  # loader workers: tests/test_resume.py::test_resume_with_loader_workers_is_exact
 
 
 def final(root):
