@@ -13,7 +13,8 @@ from project.engine.runs import RunPlan
 
 class Guarantees(Callback):
     """Rank 0 prints, when training starts, e.g.
-    ``Run runs/digits/version_3 (continues from step 50) | exact resume: yes, also mid-epoch | logs: TensorBoard``
+    ``Run runs/digits/version_3 (continues from step 50 of runs/digits/version_3/checkpoints/last.ckpt) | 2 x cuda |
+    exact resume: yes, also mid-epoch | logs: TensorBoard``
     and after ``opts out:`` each guarantee the configuration or user code gives up, with the reason.
     """
 
@@ -27,7 +28,7 @@ class Guarantees(Callback):
     def line(self, trainer: L.Trainer) -> str:
         plan = self.plan
         if plan.continues:
-            start = f"continues from step {plan.global_step}"
+            start = f"continues from step {plan.global_step} of {plan.resumed_from}"
         elif plan.resumed_from is not None:
             start = f"new version, from {plan.resumed_from} (step {plan.global_step})"
         else:
@@ -52,5 +53,6 @@ class Guarantees(Callback):
         if held:
             logs += f" ({', '.join(held)}: values handed over at each checkpoint)"
         exact = "yes, also mid-epoch" if not out else "see opts out"
-        line = f"Run {trainer.default_root_dir} ({start}) | exact resume: {exact} | logs: {logs}"
+        ranks = f"{trainer.world_size} x {trainer.strategy.root_device.type}"  # Lightning's "GPU available" line
+        line = f"Run {trainer.default_root_dir} ({start}) | {ranks} | exact resume: {exact} | logs: {logs}"
         return line + (" | opts out: " + "; ".join(out) if out else "")
