@@ -38,7 +38,9 @@ SILENCED_INFO = (
     "Initializing distributed: ",  # one per rank; the start line gives the count
     "-" * 100 + "\ndistributed_backend=",  # the "All distributed processes registered" banner
     "LOCAL_RANK: ",  # "LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: [...]", one per rank
-    "Restoring states from the checkpoint path at ",  # "--ckpt_path last: resuming from" / the start line say it
+    # the start line names the checkpoint a run resumes from or evaluates
+    "Restoring states from the checkpoint path at ",
+    "Loaded model weights from the checkpoint at ",
     "`Trainer.fit` stopped: `max_epochs=",  # the planned end; the run summary follows
     "`Trainer.fit` stopped: `max_steps=",
 )

@@ -133,13 +133,11 @@ class RankFailures(Callback):
         else:
             path, step = found
             saved = f"Newest complete checkpoint, intact: {path} (step {step})."
-        line = (
-            f"error: rank {rank} {how}; the other ranks stopped. {saved} Resume: {resume_command(sys.argv)}"
-        )
+        line = f"error: rank {rank} {how}; the other ranks stopped. {saved} Resume: {resume_command(sys.argv)}"
         sys.stdout.flush()
         print(line, file=sys.stderr, flush=True)
-        if os.environ.get(REPORT_ENV):
-            Path(os.environ[REPORT_ENV]).write_text(line + "\n")
+        if os.environ.get(REPORT_ENV):  # for a restarting script: what happened, without the command it runs itself
+            Path(os.environ[REPORT_ENV]).write_text(f"rank {rank} {how}; {saved}\n")
         # At once: unwinding would print the gloo traceback of this rank, and a child still in a collective could
         # wait; exit code 1 like any failed run.
         os._exit(1)
