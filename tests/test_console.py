@@ -144,8 +144,9 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
         ("CrashAt", 10, 1, r"rank 1 raised RuntimeError: injected crash", 8),
         ("KillAt", 14, 0, r"rank 0 was killed by a signal \(kill -9, or out of memory\)", 12),
     ]
-    last = "runs/digits/version_0/checkpoints/last.ckpt"
-    resumed_from = None
+    # what --ckpt_path last picks: the newest file; at an even epoch's end epoch00N.ckpt, with last.ckpt's step
+    newest = r"runs/digits/version_0/checkpoints/(?:last|epoch\d{3})\.ckpt"
+    resumed_from = last = None
     for kind, step, rank, how, saved_step in faults:
         marker = tmp_path / f"{kind}-{step}"  # touched by KillAt right before the kill: the time of death
         fault = [f"--trainer.callbacks+=tests.faults.{kind}", f"--trainer.callbacks.step={step}",
@@ -160,10 +161,11 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
             assert ended - marker.stat().st_mtime < 30, f"the survivor took {ended - marker.stat().st_mtime:.0f} s"
         command = shlex.join(["python", "-m", "project", "fit", *args, *fault, "--ckpt_path", "last"])
         report = (
-            rf"error: {how}; the other ranks stopped\. Newest complete checkpoint, intact: {re.escape(last)}"
+            rf"error: {how}; the other ranks stopped\. Newest complete checkpoint, intact: ({newest})"
             rf" \(step {saved_step}\)\. Resume: {re.escape(command)}"
         )
-        assert re.fullmatch(report, proc.stderr.splitlines()[-1]), out[-3000:]
+        match = re.fullmatch(report, proc.stderr.splitlines()[-1])
+        assert match, out[-3000:]
         assert "pair.cc" not in out and "Connection reset" not in out, out[-3000:]  # no gloo traceback wall
         start = "(fresh)" if resumed_from is None else f"(continues from step {resumed_from} of {last})"
         lines = console_lines(proc.stdout) + console_lines(proc.stderr)
@@ -180,7 +182,7 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
         # stdout's and stderr's lines, each stream in order; the report ends stderr
         assert sorted(lines[:-1]) == sorted(expected), "\n".join(lines)
         # the checkpoint the report names loads and holds the step it says
-        checkpoint = torch.load(tmp_path / last, weights_only=True, map_location="cpu")
-        assert checkpoint["global_step"] == saved_step
-        check_fits(tmp_path / last, Classifier(MLP(hidden_sizes=[256, 256])))
-        resumed_from = saved_step
+        named = tmp_path / match[1]
+        assert torch.load(named, weights_only=True, map_location="cpu")["global_step"] == saved_step
+        check_fits(named, Classifier(MLP(hidden_sizes=[256, 256])))
+        resumed_from, last = saved_step, match[1]  # the next run must resume from exactly this one

@@ -27,6 +27,8 @@ SILENCED_WARNINGS: list[tuple[str, type[Warning]]] = [
     # validate/test/predict of another run's checkpoint write into a run folder of their own (project.engine.runs);
     # the ModelCheckpoint state they do not reload is never used by an evaluation
     (r"The dirpath has changed from ", UserWarning),
+    # fit --ckpt_path last continues the run's own folder, checkpoints included, on purpose
+    (r"Checkpoint directory .* exists and is not empty\.", UserWarning),
 ]
 
 # Lightning's INFO lines that are dropped, by how the message starts ("[rank: N] " prefix removed).
@@ -41,6 +43,7 @@ SILENCED_INFO = (
     # the start line names the checkpoint a run resumes from or evaluates
     "Restoring states from the checkpoint path at ",
     "Loaded model weights from the checkpoint at ",
+    "Restored all states from the checkpoint at ",
     "`Trainer.fit` stopped: `max_epochs=",  # the planned end; the run summary follows
     "`Trainer.fit` stopped: `max_steps=",
 )

@@ -20,6 +20,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -69,6 +70,9 @@ class RankFailures(Callback):
         self.rank, self.world_size, self.parent = 0, 1, 0
         self.notes: Path | None = None
         self.children: list = []
+        self._watcher: threading.Thread | None = None
+        self._done = self._own_error = False
+        self._lock = threading.Lock()  # one report per process: the watcher's or on_exception's
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.rank, self.world_size = trainer.global_rank, trainer.world_size
@@ -81,11 +85,29 @@ class RankFailures(Callback):
         if self.active and self.rank == 0 and self.notes.is_dir():
             for old in self.notes.glob("*.txt"):  # an earlier failure of this run folder
                 old.unlink(missing_ok=True)
+        if self.active and self.children and self._watcher is None:
+            # Rank 0 may be far from its next collective (or Lightning's own observer may SIGKILL it first, silently,
+            # within 5 s): it watches its children itself.
+            self._watcher = threading.Thread(target=self._watch, daemon=True, name="rank-failures")
+            self._watcher.start()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._done = True
+
+    def _watch(self) -> None:
+        while not self._done:
+            for i, proc in enumerate(self.children):
+                code = proc.poll()
+                # a signal, or an exception this rank left a note for; not a deliberate exit (NaN stop, preemption)
+                if code and not self._own_error and (code < 0 or self._note(i + 1)):
+                    self._report(i + 1, self._how(i + 1, code))
+            time.sleep(0.2)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not getattr(self, "active", False) or isinstance(exception, (KeyboardInterrupt, SystemExit)):
             return
         if not is_peer_gone(exception):
+            self._own_error = True
             self._leave_note(exception)  # this rank's own error: its traceback follows, the reporter names it
             return
         deadline = time.monotonic() + WAIT_S
@@ -127,6 +149,11 @@ class RankFailures(Callback):
         return f"raised {note}" if note else f"exited with code {code}"
 
     def _report(self, rank: int, how: str) -> None:
+        if not self._lock.acquire(blocking=False):
+            time.sleep(60)  # the other thread is reporting and ends the process
+        for proc in self.children:  # the other ranks, still waiting in a collective
+            if proc.poll() is None:
+                proc.kill()
         found = find_last_checkpoint(self.family)
         if found is None:
             saved = "No checkpoint was written yet."
