@@ -27,11 +27,16 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import LightningEnvironment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project.engine.runs import find_last_checkpoint
+from project.engine.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 REPORT_ENV = "PROJECT_FAILURE_REPORT"
 NOTES = ".failures"  # in the run folder: "<rank>.txt" holds the first line of that rank's own exception
+# Stops every rank makes on purpose (Ctrl-C, preemption, the NaN guard's SystemExit): no rank failed.
+DELIBERATE = (KeyboardInterrupt, SystemExit, SIGTERMException)
+STOP_CODES = (PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE)
 WAIT_S = 5.0  # how long a survivor waits to learn which rank died and how
 
 
@@ -99,12 +104,12 @@ class RankFailures(Callback):
             for i, proc in enumerate(self.children):
                 code = proc.poll()
                 # a signal, or an exception this rank left a note for; not a deliberate exit (NaN stop, preemption)
-                if code and not self._own_error and (code < 0 or self._note(i + 1)):
+                if code and code not in STOP_CODES and not self._own_error and (code < 0 or self._note(i + 1)):
                     self._report(i + 1, self._how(i + 1, code))
             time.sleep(0.2)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if not getattr(self, "active", False) or isinstance(exception, (KeyboardInterrupt, SystemExit)):
+        if not getattr(self, "active", False) or isinstance(exception, DELIBERATE):
             return
         if not is_peer_gone(exception):
             self._own_error = True
@@ -164,7 +169,7 @@ class RankFailures(Callback):
         sys.stdout.flush()
         print(line, file=sys.stderr, flush=True)
         if os.environ.get(REPORT_ENV):  # for a restarting script: what happened, without the command it runs itself
-            Path(os.environ[REPORT_ENV]).write_text(f"rank {rank} {how}; {saved}\n")
+            Path(os.environ[REPORT_ENV]).write_text(f"rank {rank} {how}; {saved[0].lower()}{saved[1:-1]}\n")
         # At once: unwinding would print the gloo traceback of this rank, and a child still in a collective could
         # wait; exit code 1 like any failed run.
         os._exit(1)
