@@ -118,8 +118,8 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
             # looks finished / predict writes nothing / a dead rank ends in a traceback wall.
             trainer_defaults={
                 "callbacks": [
-                    *(ExactResume(), Preemption(), StopOnNonFinite(), DestroyProcessGroup(), PredictionWriter()),
-                    RankFailures(),
+                    *(ExactResume(), Preemption(), StopOnNonFinite(), RankFailures(), DestroyProcessGroup()),
+                    PredictionWriter(),
                 ]
             },
             # The usage line, not all 60 options, above an error; --help lists them.

@@ -13,7 +13,8 @@ and one of them (rank 0, or the lowest surviving rank when rank 0 is the one tha
 (one line) and exits with code 1 at once. A rank whose own code raised keeps its traceback (the cause) and leaves
 its exception's first line in ``<run>/.failures/`` for the reporter. ``PROJECT_FAILURE_REPORT=FILE`` also writes
 the line to FILE (``scripts/train_resilient.sh`` repeats it when it restarts). Under torchrun or SLURM the
-launcher reports failed ranks itself and this stays out of the way.
+launcher reports failed ranks itself and this stays out of the way. Tested with 2 ranks on CPU (gloo); with more,
+when rank 0 dies each survivor prints the line.
 """
 
 import os
@@ -72,17 +73,18 @@ class RankFailures(Callback):
     """Turns the death of one rank of a Lightning-launched DDP run into the one-line report described above."""
 
     def __init__(self) -> None:
-        self.rank, self.world_size, self.parent = 0, 1, 0
+        self.rank, self.parent, self.active = 0, 0, False
         self.notes: Path | None = None
+        self.family = Path()
         self.children: list = []
         self._watcher: threading.Thread | None = None
         self._done = self._own_error = False
         self._lock = threading.Lock()  # one report per process: the watcher's or on_exception's
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.rank, self.world_size = trainer.global_rank, trainer.world_size
+        self.rank = trainer.global_rank
         # Lightning's launcher (not torchrun/SLURM) started the ranks: the others are rank 0's children
-        self.active = self.world_size > 1 and type(trainer.strategy.cluster_environment) is LightningEnvironment
+        self.active = trainer.world_size > 1 and type(trainer.strategy.cluster_environment) is LightningEnvironment
         self.parent = os.getppid()
         self.children = list(getattr(trainer.strategy.launcher, "procs", None) or [])
         self.notes = Path(trainer.default_root_dir) / NOTES
@@ -90,14 +92,15 @@ class RankFailures(Callback):
         if self.active and self.rank == 0 and self.notes.is_dir():
             for old in self.notes.glob("*.txt"):  # an earlier failure of this run folder
                 old.unlink(missing_ok=True)
-        if self.active and self.children and self._watcher is None:
-            # Rank 0 may be far from its next collective (or Lightning's own observer may SIGKILL it first, silently,
-            # within 5 s): it watches its children itself.
+        if self.active and self._watcher is None:
+            # Not only the next collective's error: rank 0 may be far from one (and Lightning's own observer
+            # SIGKILLs it, silently, within 5 s of a child's death), and NCCL reports a dead peer only at its timeout.
+            # So rank 0 watches its children, and the others watch rank 0, their parent.
             self._watcher = threading.Thread(target=self._watch, daemon=True, name="rank-failures")
             self._watcher.start()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._done = True
+        self._done = True  # before DestroyProcessGroup's barrier (this callback comes first): rank 0 may exit next
 
     def _watch(self) -> None:
         while not self._done:
@@ -106,10 +109,17 @@ class RankFailures(Callback):
                 # a signal, or an exception this rank left a note for; not a deliberate exit (NaN stop, preemption)
                 if code and code not in STOP_CODES and not self._own_error and (code < 0 or self._note(i + 1)):
                     self._report(i + 1, self._how(i + 1, code))
+            if self.rank != 0 and os.getppid() != self.parent and not self._done and not self._own_error:
+                self._report(0, self._rank0_how())
             time.sleep(0.2)
 
+    def _rank0_how(self) -> str:
+        note = self._note(0)  # rank 0 is not this process's child: its exit status is its shell's to see
+        return f"raised {note}" if note else "was killed by a signal (kill -9, or out of memory)"
+
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if not getattr(self, "active", False) or isinstance(exception, DELIBERATE):
+        if not self.active or isinstance(exception, DELIBERATE):
+            self._done = True  # every rank stops here on purpose; a rank exiting first is no failure
             return
         if not is_peer_gone(exception):
             self._own_error = True
@@ -132,9 +142,7 @@ class RankFailures(Callback):
                 return  # rank 0 lives: it reports (another rank died)
             while time.monotonic() < deadline and os.getppid() == self.parent:
                 time.sleep(0.05)  # rank 0 raised; let its traceback come first
-            note = self._note(0)
-            how = f"raised {note}" if note else "was killed by a signal (kill -9, or out of memory)"
-            self._report(0, how)
+            self._report(0, self._rank0_how())
 
     def _leave_note(self, exception: BaseException) -> None:
         if self.notes is not None:
