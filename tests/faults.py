@@ -146,13 +146,14 @@ class Probe(L.Callback):
 
 class CrashAt(L.Callback):
     """Raises ``RuntimeError("injected crash")`` when optimizer step ``step`` is about to run: a crash inside a
-    single-process run that the test catches, with the checkpoints of earlier steps on disk."""
+    single-process run that the test catches, with the checkpoints of earlier steps on disk; under DDP, on global
+    rank ``rank`` only (None: every rank), as a bug on one rank would."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, rank: int | None = None) -> None:
+        self.step, self.rank = step, rank
 
     def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             raise RuntimeError("injected crash")
 
 

@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -175,5 +176,12 @@ def test_restart_launcher_recovers_from_a_worker_crash_exactly(tmp_path):
     (tmp_path / "launcher.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"see {tmp_path / 'launcher.log'}: {proc.stderr[-2000:]}"
     assert (tmp_path / "crashed-once").exists()  # the fault did fire
-    assert "restart 1 of 2" in proc.stderr and "resuming from" in proc.stdout + proc.stderr
+    # the restart says which rank died and from what it resumes, in one line, and resumes from exactly that
+    restart = re.search(
+        r"train_resilient: exit code 1: rank 1 was killed by SIGKILL \(kill -9, or out of memory\); newest complete"
+        r" checkpoint, intact: (\S+) \(step (\d+)\); restart 1 of 2 from the newest checkpoint",
+        proc.stderr,
+    )
+    assert restart, proc.stderr[-3000:]
+    assert f"resuming from {restart[1]} (global step {restart[2]})" in proc.stdout + proc.stderr
     assert_same_run(reference, crashed, tags=("train/loss", "lr", "val/acc", "val/loss"))

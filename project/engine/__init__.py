@@ -23,5 +23,8 @@ What it guarantees, and what user code does to get each guarantee:
 - **Sweeps that survive a crash** (``sweep``, ``sweep_space``, ``sweep_trial``, ``sweep_report``): an Optuna study
   whose trials are ordinary ``fit`` runs with every guarantee above; killed and restarted, it continues each trial
   from its ``last.ckpt``. User code: log the metric the sweep monitors.
+- **A console worth reading** (``console``, ``rank_failures``): expected warnings silenced one by one, each run
+  said once by rank 0; a dead DDP rank ends the run in one line naming it, the intact checkpoint and the resume
+  command. Nothing to do; ``PROJECT_VERBOSE=1`` shows every line.
 - **Private Lightning APIs** live in ``compat`` only, each tested by name.
 """

@@ -17,11 +17,13 @@ from project.engine.after_fit import test_best
 from project.engine.checkpoints import check_fits
 from project.engine.compat import cli_section
 from project.engine.config import SaveConfigOnce, default_config_candidates, find_default_config
+from project.engine.console import quiet_console
 from project.engine.distributed import DestroyProcessGroup
 from project.engine.errors import check_yaml_files, one_line_errors, root_cause
 from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
 from project.engine.predictions import PredictionWriter
+from project.engine.rank_failures import RankFailures
 from project.engine.resume import ExactResume
 from project.engine.run_folder import RunFolder
 from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point_loggers_at
@@ -75,6 +77,8 @@ class CLI(LightningCLI):
         # Lightning's bar, redrawn every 10 batches rather than after each (~0.1 ms of Python a redraw); not in the
         # config's callback list, where it would make `--trainer.enable_progress_bar false` an error. A bar the
         # config brings wins.
+        if self.run_plan is not None:  # before the bar: the start line is printed before the bar's first frame
+            callbacks += [RunFolder(self.run_plan), Guarantees(self.run_plan, self.unknown_loggers)]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(TQDMProgressBar(refresh_rate=10, leave=False))
         if config.get("enable_checkpointing") is False or config.get("fast_dev_run"):
@@ -84,8 +88,6 @@ class CLI(LightningCLI):
         if config.get("logger") in (False, []) and any(isinstance(c, LearningRateMonitor) for c in callbacks):
             # it refuses a Trainer without a logger; `--trainer.logger false` should not need a second flag
             callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-        if self.run_plan is not None:
-            callbacks += [RunFolder(self.run_plan), Guarantees(self.run_plan, self.unknown_loggers)]
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 
@@ -108,13 +110,17 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
         rank_zero_only(print)(f"note: no base config at {looked}: only the --config files and flags given apply")
     defaults = [str(default)] if default else []
     kwargs = {"default_config_files": defaults, "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}
+    quiet_console()
     with one_line_errors():
         return CLI(
             save_config_callback=SaveConfigOnce,
             # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run
-            # looks finished / predict writes nothing.
+            # looks finished / predict writes nothing / a dead rank ends in a traceback wall.
             trainer_defaults={
-                "callbacks": [ExactResume(), Preemption(), StopOnNonFinite(), DestroyProcessGroup(), PredictionWriter()]
+                "callbacks": [
+                    *(ExactResume(), Preemption(), StopOnNonFinite(), RankFailures(), DestroyProcessGroup()),
+                    PredictionWriter(),
+                ]
             },
             # The usage line, not all 60 options, above an error; --help lists them.
             parser_kwargs={sub: kwargs for sub in SUBCOMMANDS} if run else kwargs,

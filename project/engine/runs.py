@@ -209,7 +209,8 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
             config["ckpt_path"] = None
             return RunPlan(next_version_dir(family))
         path, global_step = found
-        rank_zero_info(f"--ckpt_path last: resuming from {path} (global step {global_step})")
+        if subcommand == "fit":  # an evaluation's start line names the checkpoint (project.engine.guarantees)
+            rank_zero_info(f"--ckpt_path last: resuming from {path} (global step {global_step})")
         config["ckpt_path"] = str(path)
         continues = True
     else:
