@@ -31,7 +31,7 @@ test: setup  ## run the whole test suite, multi-process tests included
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile $(ARGS)
 
 test-fast: setup  ## skip the slow multi-process tests
-	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow" $(ARGS)
 
 test-oldest:  ## the fast tests on the oldest versions pyproject.toml allows, in .venv-oldest (CI runs it)
 	$(PYTHON) -m venv .venv-oldest
