@@ -5,12 +5,13 @@ import io
 import os
 import signal
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import lightning as L
 import torch
 
 from project.engine.checkpoints import AtomicCheckpointIO
+from project.engine.sharded import ShardedStrategy
 
 
 class KillAt(L.Callback):
@@ -153,3 +154,43 @@ class CrashAt(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
         if trainer.global_step == self.step:
             raise RuntimeError("injected crash")
+
+
+class KillBeforePublish(ShardedStrategy):
+    """The sharded strategy, whose save at global step ``step`` is SIGKILLed on every rank after all shards are
+    written, before the folder gets its name: the worst moment for an atomic save.
+
+    Select it with ``--trainer.strategy.class_path tests.faults.KillBeforePublish --trainer.strategy.init_args.step N``.
+    """
+
+    def __init__(self, step: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.step = step
+
+    def _publish(self, tmp: Path, path: Path) -> None:
+        if self.lightning_module.trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super()._publish(tmp, path)
+
+
+class SaveFullWeights(L.Callback):
+    """Test oracle: rank 0 saves the net's full weights, gathered by FSDP itself (not read from a checkpoint), to
+    ``path`` when training starts (``when="start"``: right after a resume restored them) or ends."""
+
+    def __init__(self, path: str, when: str = "end") -> None:
+        self.path, self.when = path, when
+
+    def _save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(pl_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if trainer.is_global_zero:
+            torch.save({k: v for k, v in full.items() if k.startswith("net.")}, self.path)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.when == "start":
+            self._save(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.when == "end":
+            self._save(trainer, pl_module)

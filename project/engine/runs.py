@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from project.engine.checkpoints import CheckpointLoadError, load_checkpoint_file
 from project.engine.compat import set_csv_columns
+from project.engine.sharded import is_sharded_checkpoint, read_meta
 
 RUN_RECORD = "run.json"  # the run's logger ids, for a resume to continue the same MLflow/W&B run
 
@@ -81,9 +82,10 @@ def family_dir(config: Namespace) -> Path:
 
 
 def read_global_step(path: Path) -> int:
-    """Opens a checkpoint without unpickling code or reading its tensors; raises ``ResumeError`` if unreadable."""
+    """Opens a checkpoint (a file, or a sharded folder's ``meta.pt``) without unpickling code or reading its
+    tensors; raises ``ResumeError`` if unreadable."""
     try:
-        return int(load_checkpoint_file(path, mmap=True)["global_step"])
+        return int((read_meta(path) if path.is_dir() else load_checkpoint_file(path, mmap=True))["global_step"])
     except CheckpointLoadError as error:
         raise ResumeError(str(error)) from None
     except (KeyError, TypeError, ValueError) as error:
@@ -99,7 +101,7 @@ def _loads(path: Path) -> bool:
 
 
 def _checkpoints_newest_first(folder: Path, *patterns: str) -> list[Path]:
-    files = [p for pattern in patterns for p in folder.glob(pattern) if p.is_file()]
+    files = [p for pattern in patterns for p in folder.glob(pattern) if p.is_file() or is_sharded_checkpoint(p)]
     return sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
@@ -166,7 +168,7 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
         continues = True
     else:
         path = Path(ckpt_path)
-        if not path.is_file():
+        if not path.exists():
             raise ResumeError(f"--ckpt_path {ckpt_path}: no such file. Give an existing .ckpt, or 'last'.")
         try:
             global_step = read_global_step(path)

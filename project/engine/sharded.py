@@ -78,7 +78,9 @@ class _IndexUnpickler(pickle.Unpickler):
     SAFE = {
         ("torch", "Size"),
         ("torch", "device"),
-        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name (torch.strided)
+        ("pathlib", "PosixPath"),  # where the folder was written
+        ("pathlib", "WindowsPath"),
         ("collections", "OrderedDict"),
         ("builtins", "set"),
         ("builtins", "frozenset"),
