@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.strategies import ModelParallelStrategy
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 

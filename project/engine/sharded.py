@@ -21,6 +21,7 @@ import io
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,8 +31,8 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -90,7 +91,9 @@ class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == dcp_metadata.__name__ or module == "torch.distributed.checkpoint.filesystem":
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         if (module, name) in self.SAFE:
             return super().find_class(module, name)
@@ -119,7 +122,9 @@ class _SafeReader(dcp.FileSystemReader):
 
 class _SafePlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # the default unpickles with weights_only=False
-        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], torch.load(value, weights_only=True))
+        set_element(
+            self.original_state_dict, self.mappings[read_item.dest_index.fqn], torch.load(value, weights_only=True)
+        )
 
 
 def _load(state: dict[str, Any], path: Path, single_process: bool = False) -> None:
@@ -134,7 +139,11 @@ def check_same_network(path: Path, model: torch.nn.Module) -> None:
         if key.startswith("state_dict.") and isinstance(meta, dcp_metadata.TensorStorageMetadata)
     }
     here = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
-    problems = [f"{k} is {list(saved[k])} in the checkpoint, {list(v)} here" for k, v in here.items() if k in saved and saved[k] != v]
+    problems = [
+        f"{k} is {list(saved[k])} in the checkpoint, {list(v)} here"
+        for k, v in here.items()
+        if k in saved and saved[k] != v
+    ]
     problems += [f"{k} is missing from the checkpoint" for k in sorted(here.keys() - saved.keys())]
     problems += [f"{k} is in the checkpoint only" for k in sorted(saved.keys() - here.keys())]
     if problems:
@@ -206,7 +215,9 @@ class ShardedStrategy(ModelParallelStrategy):
         check_same_network(path, self.model)
         model_state = get_model_state_dict(self.model)
         _load({"state_dict": model_state}, path)
-        set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=self.lightning_module.strict_loading))
+        set_model_state_dict(
+            self.model, model_state, options=StateDictOptions(strict=self.lightning_module.strict_loading)
+        )
         for i, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{i}"
             state = {key: get_optimizer_state_dict(self.model, optimizer)}
@@ -216,7 +227,8 @@ class ShardedStrategy(ModelParallelStrategy):
         if saved_ranks != self.world_size:
             rank_zero_info(
                 f"Resharded {path.name} from {saved_ranks} ranks to {self.world_size}: weights and optimizer state "
-                "are exact; random draws (dropout) and the data order of the rest of the epoch are not the original run's"
+                "are exact; random draws (dropout) and the data order of the rest of the epoch differ from the "
+                "original run"
             )
         return meta
 
@@ -230,5 +242,7 @@ def full_state_dict(path: _PATH, prefix: str = "state_dict.") -> dict[str, torch
         for key, meta in read_index(path).state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, dcp_metadata.TensorStorageMetadata)
     }
-    _load(state, path, single_process=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        _load(state, path, single_process=True)
     return {key.removeprefix(prefix): value for key, value in state.items()}
