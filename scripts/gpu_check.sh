@@ -40,14 +40,22 @@ DDP=(--config "$REPO/configs/ddp.yaml" --trainer.devices "$DEVICES")
 declare -a SUMMARY=()
 FAILED=0
 
-step() {  # step NAME TIMEOUT_S CMD...: runs CMD with its output in OUT/NAME.log, records PASS or FAIL
-  local name=$1 limit=$2
+step() {  # step NAME TIMEOUT_S CMD...: runs CMD (a shell function too) with its output in OUT/NAME.log, records
+  local name=$1 limit=$2 start=$SECONDS rc  # PASS or FAIL; past TIMEOUT_S its whole process group is killed
   shift 2
-  local start=$SECONDS
-  if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
+  set -m  # the step gets a process group of its own, for the watchdog to kill with every process it started
+  "$@" >"$OUT/$name.log" 2>&1 &
+  local pid=$!
+  set +m
+  (sleep "$limit" && echo "timed out after $limit s" >>"$OUT/$name.log" && kill -KILL -- "-$pid") 2>/dev/null &
+  local watchdog=$!
+  wait "$pid"
+  rc=$?
+  kill "$watchdog" 2>/dev/null
+  if ((rc == 0)); then
     SUMMARY+=("PASS  $name ($((SECONDS - start)) s)")
   else
-    SUMMARY+=("FAIL  $name ($((SECONDS - start)) s, exit $?): see $OUT/$name.log")
+    SUMMARY+=("FAIL  $name ($((SECONDS - start)) s, exit $rc): see $OUT/$name.log")
     FAILED=$((FAILED + 1))
   fi
 }

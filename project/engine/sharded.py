@@ -176,6 +176,14 @@ class ShardedStrategy(ModelParallelStrategy):
             self._data_parallel_size = self.num_nodes * self.num_processes // int(self._tensor_parallel_size)
         super().setup_environment()
 
+    def setup(self, trainer: Any) -> None:
+        if getattr(self.lightning_module, "evaluates_on_rank_zero", False):  # see project.engine.loaders
+            raise ValueError(
+                "--model.validation rank_zero cannot run sharded: every forward needs every rank. "
+                "Use --model.validation distributed"
+            )
+        super().setup(trainer)
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         path = Path(self.broadcast(str(filepath)))
         tmp = path.with_name(f"{path.name}.tmp")
