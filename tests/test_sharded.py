@@ -108,9 +108,9 @@ def test_resume_on_one_rank_reshards_exactly_and_says_what_is_not(reference, tmp
 
     # another network: one line naming the weight, nothing loaded
     proc = cli("fit", *one_rank, "--model.net.init_args.hidden_sizes", "[32, 32]", cwd=tmp_path, check=False)
-    assert proc.returncode != 0 and "holds a different network" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "holds a different network" in proc.stderr, proc.stderr[-2000:]
     assert "net.layers.1.weight is [256, 64] in the checkpoint, [32, 64] here" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr and run_dirs(tmp_path) == [run]  # refused before a folder was made
 
 
 def test_export_consolidates_a_sharded_checkpoint(reference, tmp_path):

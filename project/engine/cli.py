@@ -25,6 +25,7 @@ from project.engine.resume import ExactResume
 from project.engine.run_folder import RunFolder
 from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point_loggers_at
 from project.engine.sharded import ShardedStrategy as Sharded
+from project.engine.sharded import check_same_network
 from project.engine.signals import Preemption
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
@@ -56,7 +57,9 @@ class CLI(LightningCLI):
             ckpt_path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
             if ckpt_path is not None and Path(ckpt_path).is_file():
                 check_fits(ckpt_path, self.model)
-            if ckpt_path is not None and Path(ckpt_path).is_dir() and not isinstance(self.trainer.strategy, Sharded):
+            if ckpt_path is not None and Path(ckpt_path).is_dir() and isinstance(self.trainer.strategy, Sharded):
+                check_same_network(Path(ckpt_path), self.model)  # before any rank starts or anything is written
+            elif ckpt_path is not None and Path(ckpt_path).is_dir():
                 raise ValueError(
                     f"{ckpt_path} is a sharded checkpoint: resume it with --config configs/fsdp.yaml (on any number "
                     "of devices), or make a single file of it with scripts/export.py"
