@@ -31,7 +31,6 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from project.engine.checkpoints import CheckpointLoadError
+from project.engine.compat import set_nested, shard_over_all_ranks
 
 META = "meta.pt"  # Lightning's name for the non-tensor part (loops, callbacks, hyperparameters)
 INDEX = ".metadata"  # DCP's index of the shards, written by the coordinator once every rank has written
@@ -122,7 +122,7 @@ class _SafeReader(dcp.FileSystemReader):
 
 class _SafePlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # the default unpickles with weights_only=False
-        set_element(
+        set_nested(
             self.original_state_dict, self.mappings[read_item.dest_index.fqn], torch.load(value, weights_only=True)
         )
 
@@ -173,8 +173,7 @@ class ShardedStrategy(ModelParallelStrategy):
         super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend)
 
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":  # Lightning's auto is one group per node; here every rank shards
-            self._data_parallel_size = self.num_nodes * self.num_processes // int(self._tensor_parallel_size)
+        shard_over_all_ranks(self)  # Lightning's auto is one data-parallel group per node; here every rank shards
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
