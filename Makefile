@@ -10,7 +10,7 @@ ARGS ?=
 # 2 on the 2-core CI machine: 7m50s instead of ~11 min; WORKERS=0 runs in this process.
 WORKERS ?= 2
 
-.PHONY: help setup train test test-fast lint format tensorboard plot clean
+.PHONY: help setup train test test-fast test-oldest lint format tensorboard plot clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -33,11 +33,23 @@ test: setup  ## run the whole test suite, multi-process tests included
 test-fast: setup  ## skip the slow multi-process tests
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
 
+test-oldest:  ## the fast tests on the oldest versions pyproject.toml allows, in .venv-oldest (CI runs it)
+	$(PYTHON) -m venv .venv-oldest
+	.venv-oldest/bin/pip install --quiet --upgrade pip
+	.venv-oldest/bin/pip install --quiet $(TORCH)
+	$(PYTHON) .ci/oldest_constraints.py > .venv-oldest/constraints.txt
+	.venv-oldest/bin/pip install --quiet -c .venv-oldest/constraints.txt -e ".[dev]"
+	.venv-oldest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
+	.venv-oldest/bin/python -m pytest -m "not slow" -p no:cacheprovider $(ARGS)
+
 lint: setup  ## ruff lint and format check
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 format: setup  ## apply ruff's fixes and formatting
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
+
+sweep: setup  ## run, or after a crash continue, configs/sweep.yaml (make sweep ARGS="--workers 2", ARGS=--show)
+	$(BIN)/python -m project sweep --config configs/sweep.yaml $(ARGS)
 
 tensorboard: setup  ## serve runs/ on http://127.0.0.1:6006 (ssh -L 6006:127.0.0.1:6006 from your laptop)
 	$(BIN)/tensorboard --logdir runs --host 127.0.0.1 --port 6006

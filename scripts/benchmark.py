@@ -238,17 +238,22 @@ def make_spec(args: argparse.Namespace) -> dict[str, Any]:
     import yaml
 
     from project.data import DigitsDataModule
-    from project.engine.cli import DEFAULT_CONFIG
+    from project.engine.config import default_config_candidates, find_default_config
     from project.module import Classifier
     from project.nets import MLP
 
-    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    path = find_default_config() or REPO / "configs" / "default.yaml"
+    if not path.is_file():
+        looked = ", ".join(dict.fromkeys(map(str, [*default_config_candidates(), path])))
+        raise SystemExit(f"error: no configs/default.yaml at {looked}: run this from the project folder")
+    args.config = path
+    config = yaml.safe_load(path.read_text())
     expected = {"model": Classifier, "data": DigitsDataModule}
     for key, cls in expected.items():
         if config[key]["class_path"] != f"{cls.__module__}.{cls.__name__}":
-            raise SystemExit(f"the hand-written side only knows {cls.__name__} as {key}: {DEFAULT_CONFIG} changed it")
+            raise SystemExit(f"the hand-written side only knows {cls.__name__} as {key}: {path} changed it")
     if config["model"]["init_args"]["net"]["class_path"] != "project.nets.MLP":
-        raise SystemExit(f"the hand-written side only knows project.nets.MLP as the net: {DEFAULT_CONFIG} changed it")
+        raise SystemExit(f"the hand-written side only knows project.nets.MLP as the net: {path} changed it")
 
     def init_args(section: dict[str, Any], cls: type) -> dict[str, Any]:
         defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items() if p.default is not p.empty}
@@ -301,7 +306,9 @@ def run_side(side: str, spec: dict[str, Any], workdir: Path, args: argparse.Name
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out), "--spec", json.dumps(spec)]
     else:
         timer = {"class_path": "benchmark.BenchmarkTimer", "init_args": {"out": str(out), "profile": profile}}
-        cmd = [sys.executable, "-m", "project", "fit", "--trainer.max_epochs", str(spec["epochs"])]
+        # the config the spec came from: the run's folder is not the project's, where `project` finds it itself
+        cmd = [sys.executable, "-m", "project", "fit", "--config", str(args.config)]
+        cmd += ["--trainer.max_epochs", str(spec["epochs"])]
         cmd += ["--model.net.init_args.hidden_sizes", json.dumps(spec["hidden_sizes"])]
         cmd += ["--data.batch_size", str(spec["batch_size"]), "--model.init_args.warmup", str(spec["warmup"])]
         cmd += [*args.template_arg, f"--trainer.callbacks+={json.dumps(timer)}"]  # after them: never dropped

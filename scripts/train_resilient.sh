@@ -12,7 +12,7 @@
 #                     elastic); --nproc_per_node, --nnodes and --rdzv are passed to it
 #
 # A crash loses at most the steps since the last checkpoint (configs/default.yaml refreshes last.ckpt every
-# 50 optimizer steps and at every epoch end). Exit 0 ends the loop, and so does a preempted run (exit 143, it
+# 10 minutes of training and at every epoch end). Exit 0 ends the loop, and so does a preempted run (exit 143, it
 # saved last.ckpt) or a Ctrl-C (130): those are the scheduler's or the user's decision, not a crash. Examples:
 #   scripts/train_resilient.sh --config configs/ddp.yaml --trainer.devices 4
 #   scripts/train_resilient.sh --torchrun --nproc_per_node 8 --nnodes 2 --rdzv 10.0.0.1:29500 --config configs/ddp.yaml
@@ -42,15 +42,21 @@ if [[ $use_torchrun == 1 ]]; then
         -m project fit "$@" --trainer.num_nodes "$nnodes" --trainer.devices "$nproc" --ckpt_path last
 fi
 
+# A run whose rank died writes the one-line report here (project/engine/rank_failures.py); the restart repeats it.
+report=$(mktemp)
+trap 'rm -f "$report"' EXIT
 for ((attempt = 0; ; attempt++)); do
-    "$PY" -m project fit "$@" --ckpt_path last
+    : >"$report"
+    PROJECT_FAILURE_REPORT=$report "$PY" -m project fit "$@" --ckpt_path last
     rc=$?
+    why="exit code $rc"
+    if [[ -s $report ]]; then why="exit code $rc: $(head -n 1 "$report")"; fi
     if [[ $rc == 0 || $rc == 130 || $rc == 143 ]]; then
         exit $rc
     fi
     if ((attempt >= restarts)); then
-        echo "train_resilient: exit code $rc after $restarts restarts; giving up" >&2
+        echo "train_resilient: $why; giving up after $restarts restarts" >&2
         exit $rc
     fi
-    echo "train_resilient: exit code $rc; restart $((attempt + 1)) of $restarts from the newest checkpoint" >&2
+    echo "train_resilient: $why; restart $((attempt + 1)) of $restarts from the newest checkpoint" >&2
 done

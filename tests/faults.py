@@ -10,7 +10,7 @@ from typing import Any, BinaryIO
 import lightning as L
 import torch
 
-from project.engine.checkpoints import AtomicCheckpointIO
+from project.engine.checkpoints import AtomicCheckpointIO, wait_for_writes
 from project.engine.sharded import ShardedStrategy
 
 
@@ -89,6 +89,7 @@ class NaNInputAt(L.Callback):
             import hashlib
             import json
 
+            wait_for_writes(trainer)  # the files as they stand after this step's saves, not half-way through one
             folder = Path(trainer.checkpoint_callback.dirpath)
             digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.ckpt"))}
             Path(self.hashes).write_text(json.dumps(digests))
@@ -146,13 +147,14 @@ class Probe(L.Callback):
 
 class CrashAt(L.Callback):
     """Raises ``RuntimeError("injected crash")`` when optimizer step ``step`` is about to run: a crash inside a
-    single-process run that the test catches, with the checkpoints of earlier steps on disk."""
+    single-process run that the test catches, with the checkpoints of earlier steps on disk; under DDP, on global
+    rank ``rank`` only (None: every rank), as a bug on one rank would."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, rank: int | None = None) -> None:
+        self.step, self.rank = step, rank
 
     def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             raise RuntimeError("injected crash")
 
 
@@ -241,4 +243,78 @@ class MemoryProbe(L.Callback):
             "steps_per_s": self.steps / self.elapsed if self.steps else 0.0,
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class SlowWriter(AtomicCheckpointIO):
+    """The template's checkpoint writer, each of whose writes first sleeps ``delay`` seconds (a slow disk), so that
+    a test can act while a background write is in flight.
+
+    Args:
+        delay: Seconds each write waits before writing.
+    """
+
+    def __init__(self, delay: float = 1.0) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def _write(self, checkpoint: dict, f: BinaryIO) -> None:
+        import time
+
+        time.sleep(self.delay)
+        super()._write(checkpoint, f)
+
+
+class KillDuringWrite(AtomicCheckpointIO):
+    """The template's checkpoint writer, which SIGKILLs its process half-way through writing file ``name`` at global
+    step ``step``: a crash during a background write, the loop having gone on.
+
+    Args:
+        step: Global step of the save to die in.
+        name: File name of that save (e.g. ``last.ckpt``).
+    """
+
+    def __init__(self, step: int, name: str = "last.ckpt") -> None:
+        super().__init__()
+        self.step, self.name = step, name
+
+    def _write(self, checkpoint: dict, f: BinaryIO) -> None:
+        if checkpoint["global_step"] != self.step or Path(f.name).name != f"{self.name}.tmp":
+            return super()._write(checkpoint, f)
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        f.write(buffer.getvalue()[: buffer.tell() // 2])
+        f.flush()
+        os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillGroupAt(L.Callback):
+    """SIGKILLs this process's whole process group (a sweep and its trial, when the test started the sweep in a
+    session of its own) when optimizer step ``step`` of the run whose folder contains ``run_part`` is about to run:
+    a machine that dies mid-trial. Once: it creates ``once_marker`` and never fires while it exists."""
+
+    def __init__(self, step: int, run_part: str, once_marker: str) -> None:
+        self.step, self.run_part, self.once_marker = step, run_part, once_marker
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
+        if trainer.global_step != self.step or self.run_part not in str(trainer.default_root_dir):
+            return
+        if Path(self.once_marker).exists():
+            return
+        Path(self.once_marker).touch()
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+class StepsPerRank(L.Callback):
+    """Probe: each rank writes ``{"global_step", "epoch"}`` where its ``fit`` ended to ``out_dir/rank{R}.json``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        record = {"global_step": trainer.global_step, "epoch": trainer.current_epoch}
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))

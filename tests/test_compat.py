@@ -5,6 +5,7 @@ import contextlib
 
 import lightning as L
 from lightning.fabric.loggers.csv_logs import _ExperimentWriter
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -14,6 +15,7 @@ from project.engine.compat import (
     set_csv_columns,
     set_nested,
     shard_over_all_ranks,
+    state_key_arguments,
 )
 from project.module import Classifier
 from project.nets import MLP
@@ -74,3 +76,11 @@ def test_dcp_traverse_set_element_sets_a_nested_value():
     state = {"optimizer_0": {"param_groups": [{"lr": 0.0}]}}
     set_nested(state, ("optimizer_0", "param_groups", 0, "lr"), 0.5)
     assert state == {"optimizer_0": {"param_groups": [{"lr": 0.5}]}}
+
+
+def test_model_checkpoint_state_key_holds_its_monitor_and_mode():
+    key = ModelCheckpoint(monitor="val/loss", mode="min").state_key
+    assert key.startswith("ModelCheckpoint{"), f"Callback._generate_state_key's format changed: {key}"
+    assert {k: state_key_arguments(key).get(k) for k in ("monitor", "mode")} == {"monitor": "val/loss", "mode": "min"}
+    assert state_key_arguments(ModelCheckpoint(monitor="val/acc", mode="max").state_key)["mode"] == "max"
+    assert state_key_arguments("NotACallbackKey") == {}

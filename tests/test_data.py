@@ -1,10 +1,12 @@
 """The digits DataModule and the samplers that make DDP evaluation exact and resumes land on the same batch."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from project.data import DigitsDataModule
-from project.engine.loaders import ResumableDataLoader, ResumableSampler, TensorBatchDataset
+from project.engine.loaders import ResumableDataLoader, ResumableSampler, TensorBatchDataset, make_loader
 
 
 def test_split_is_deterministic_disjoint_and_complete():
@@ -97,3 +99,15 @@ def test_a_loader_with_another_sampler_resumes_by_dropping_the_consumed_batches(
     resumed = ResumableDataLoader(data, sampler=SequentialSampler(data), batch_size=4)
     resumed.load_state_dict({"epoch": 0, "batches": 2})
     assert [x.tolist() for x, _ in resumed] == expected[2:]
+
+
+def test_an_eval_set_smaller_than_the_ranks_is_refused_alike_on_every_rank():
+    # Lightning would stop the rank without a batch alone (a traceback) and the others would fail in a collective.
+    def loader(n: int, world: int, rank: int):
+        trainer = SimpleNamespace(world_size=world, global_rank=rank, lightning_module=None)
+        return make_loader(TensorBatchDataset(torch.zeros(n, 1), torch.zeros(n)), trainer, train=False, seed=0)
+
+    for rank in range(3):
+        with pytest.raises(ValueError, match=r"has 2 sample\(s\), fewer than the 3 ranks.*on 2 device"):
+            loader(2, 3, rank)
+        assert len(loader(3, 3, rank)) == 1  # as many samples as ranks: one each

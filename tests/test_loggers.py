@@ -36,23 +36,29 @@ ARGS = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "5
 STEPS = list(range(15))
 
 
-def tensorboard_steps(run_dir, tmp_path):
-    return [s for s, _ in scalars(run_dir)["train/loss"]]
+# Each reader returns what its logger holds as {key: [(step, value), ...]} for KEYS, read from its own files.
+KEYS = ("train/loss", "val/acc", "best/val/acc")
 
 
-def csv_steps(run_dir, tmp_path):
+def tensorboard_points(run_dir, tmp_path):
+    return {key: points for key, points in scalars(run_dir).items() if key in KEYS}
+
+
+def csv_points(run_dir, tmp_path):
     with open(run_dir / "metrics.csv", newline="") as f:
-        return [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
+        rows = list(csv.DictReader(f))
+    return {key: [(int(row["step"]), float(row[key])) for row in rows if row.get(key)] for key in KEYS}
 
 
-def mlflow_steps(run_dir, tmp_path):
+def mlflow_points(run_dir, tmp_path):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id])  # one run, not two
     assert run.info.run_id == json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
     assert run.info.run_name == "digits/version_0"
-    return sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss"))
+    history = {key: client.get_metric_history(run.info.run_id, key) for key in KEYS}
+    return {key: sorted((m.step, m.value) for m in metrics) for key, metrics in history.items()}
 
 
 def wandb_records(path):
@@ -76,10 +82,10 @@ def wandb_records(path):
             yield record
 
 
-def wandb_steps(run_dir, tmp_path):
+def wandb_points(run_dir, tmp_path):
     files = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")))
     assert len(files) == 2  # the interrupted process and the resumed one
-    ids, steps = set(), []
+    ids, points = set(), {key: [] for key in KEYS}
     for path in files:
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
@@ -89,18 +95,19 @@ def wandb_steps(run_dir, tmp_path):
                 row = {
                     item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
                 }
-                if "train/loss" in row:
-                    steps.append(row["trainer/global_step"])
+                for key in KEYS:
+                    if key in row:
+                        points[key].append((row["trainer/global_step"], row[key]))
     assert ids == {json.loads((run_dir / "run.json").read_text())["wandb_id"]}  # the same W&B run id
-    return steps
+    return points
 
 
 LOGGERS = {
-    "tensorboard": ([], [tensorboard_steps]),
-    "csv": (["--config", str(REPO / "configs" / "csv.yaml")], [csv_steps]),
-    "mlflow": (["--config", str(REPO / "configs" / "mlflow.yaml")], [mlflow_steps]),
-    "wandb": (["--config", str(REPO / "configs" / "wandb.yaml")], [wandb_steps]),
-    "tensorboard+csv": (["--config", str(REPO / "configs" / "tensorboard_csv.yaml")], [tensorboard_steps, csv_steps]),
+    "tensorboard": ([], [tensorboard_points]),
+    "csv": (["--config", str(REPO / "configs" / "csv.yaml")], [csv_points]),
+    "mlflow": (["--config", str(REPO / "configs" / "mlflow.yaml")], [mlflow_points]),
+    "wandb": (["--config", str(REPO / "configs" / "wandb.yaml")], [wandb_points]),
+    "tensorboard+csv": (["--config", str(REPO / "configs" / "tensorboard_csv.yaml")], [tensorboard_points, csv_points]),
     "none": (["--trainer.logger", "false"], []),
 }
 
@@ -127,5 +134,13 @@ def test_resume_continues_the_same_run_with_each_step_logged_once(name, tmp_path
     assert [p.name for p in (root / "digits").iterdir()] == ["version_0"]  # the same folder, no second run
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 15
     assert (run_dir / "config.yaml").is_file() and (run_dir / "config.1.yaml").is_file()
-    for read_steps in readers:
-        assert read_steps(run_dir, tmp_path) == STEPS, read_steps.__name__  # none twice, none missing, in order
+    best = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["callbacks"]
+    (best,) = [state["best_model_score"].item() for key, state in best.items() if "'monitor': 'val/acc'" in key]
+    for read in readers:
+        points = read(run_dir, tmp_path)
+        assert [s for s, _ in points["train/loss"]] == STEPS, read.__name__  # none twice, none missing, in order
+        # RunSummary's record: the best of the curve this logger holds, also the score ModelCheckpoint kept
+        assert [s for s, _ in points["val/acc"]] == [4, 9, 14], read.__name__
+        ((step, value),) = points["best/val/acc"]
+        assert step == 15 and value == pytest.approx(max(v for _, v in points["val/acc"]), abs=1e-6), read.__name__
+        assert value == pytest.approx(best, abs=1e-6), read.__name__

@@ -1,10 +1,14 @@
 """Checkpoint files: written so that a kill or a full disk at any moment cannot corrupt them, read so that a file
 from anywhere cannot run code."""
 
+import copy
 import os
 import pickle
 import re
+import sys
 import zipfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -12,6 +16,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 
@@ -83,22 +88,165 @@ def check_fits(path: _PATH, module: nn.Module) -> None:
     )
 
 
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes ``<name>.tmp`` beside the target, fsyncs it and renames it over the target.
+class HostSnapshot:
+    """A copy of a checkpoint's tensors in host memory, taken while the loop waits, for a writer thread to save.
 
-    A rename within one directory is atomic on POSIX filesystems, so ``last.ckpt`` is always either the previous
-    complete file or the new complete one. (Lightning's own save goes through a temporary file in the system temp
-    folder, which is a copy, not a rename, when that folder is on another filesystem.) A failed write (a full
-    disk, a lost mount) removes the ``.tmp`` and raises an ``OSError`` that names the folder and what to do.
-    Local paths only; remote URLs fall back to Lightning's writer.
-
-    Loading always uses ``weights_only=True`` (see ``load_checkpoint_file``), whatever ``--weights_only`` says.
+    The copy lands in the buffers of the previous snapshot where shapes match (no allocation, pinned for CUDA
+    tensors). Saves taken at the same point of training (the best-k file, ``last.ckpt`` and the every-2-epochs file
+    at one validation end: same ``global_step``, epoch and loop progress) share one copy: a tensor that has not
+    changed since (the same memory, its in-place version counter unchanged) is not copied again, so the second and
+    third saves neither copy nor wait. So there is never more than one host copy of the state.
     """
 
+    def __init__(self) -> None:
+        self._progress: Any = None
+        # id of the source's memory -> (source, its version when copied, the host copy). The source is held so that
+        # its memory cannot be freed and reused by another tensor with the same key.
+        self._copies: dict[tuple, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
+
+    def take(self, checkpoint: dict[str, Any], before_copying: Callable[[], None]) -> dict[str, Any]:
+        """The checkpoint with every tensor replaced by its host copy (containers rebuilt, so later changes to the
+        trainer's dicts do not reach the file). ``before_copying`` runs first unless nothing has to be copied: it
+        waits for the writes still reading the buffers."""
+        progress = _progress(checkpoint)
+        same_point = progress is not None and _equal(progress, self._progress)
+        tensors: list[torch.Tensor] = []
+        apply_to_collection(checkpoint, torch.Tensor, tensors.append)
+        fresh = {_key(t): t for t in tensors}
+        if not (same_point and all(self._unchanged(key, t) for key, t in fresh.items())):
+            before_copying()
+            # buffers of tensors still there are refilled; the others are freed first, so the old and the new
+            # copy never both exist
+            buffers = {key: host for key, (_, _, host) in self._copies.items() if key in fresh}
+            self._copies = {}
+            for key, t in fresh.items():
+                self._copies[key] = (t, _version(t), _to_host(t, buffers.pop(key, None)))
+            self._progress = copy.deepcopy(progress)
+        return apply_to_collection(checkpoint, torch.Tensor, lambda t: self._copies[_key(t)][2])
+
+    def _unchanged(self, key: tuple, t: torch.Tensor) -> bool:
+        version = _version(t)
+        return key in self._copies and version is not None and self._copies[key][1] == version
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()) if t.layout == torch.strided else ())
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version  # bumped by every in-place write (optimizer steps, running stats)
+    except RuntimeError:  # inference tensors have no version counter: always copied
+        return None
+
+
+def _to_host(t: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    t = t.detach()
+    if t.layout != torch.strided:  # sparse and other layouts: a plain copy, no buffer reuse
+        return t.to("cpu", copy=True)
+    if buffer is None:
+        buffer = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)  # dense: the same strides
+    return buffer.copy_(t)
+
+
+def _progress(checkpoint: dict[str, Any]) -> Any:
+    """Where training was: equal for two saves only if no training batch ran between them. ``None`` (never equal)
+    for a checkpoint without loop state (``save_weights_only``): nothing tells whether the weights moved."""
+    if "loops" not in checkpoint:
+        return None
+    return checkpoint.get("epoch"), checkpoint.get("global_step"), checkpoint["loops"]
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, ValueError, TypeError):  # loop state holding tensors: taken as changed
+        return False
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes ``<name>.tmp`` beside the target, fsyncs it and renames it over the target; in the background.
+
+    A rename within one directory is atomic on POSIX filesystems, so ``last.ckpt`` is always either the previous
+    complete file or the new complete one, and the ``.tmp`` never matches ``*.ckpt`` (what ``--ckpt_path last``
+    looks at). (Lightning's own save goes through a temporary file in the system temp folder, which is a copy, not
+    a rename, when that folder is on another filesystem.) A failed write (a full disk, a lost mount) removes the
+    ``.tmp`` and raises an ``OSError`` that names the folder and what to do. Local paths only; remote URLs fall back
+    to Lightning's writer.
+
+    In the background (the default), a save costs the loop only the copy of the state to host memory
+    (``HostSnapshot``); one thread writes, fsyncs and renames, one file after the other, and removes the files
+    ModelCheckpoint drops from its top k in the same queue, so a removal never overtakes the write of its file. A
+    save that needs a new copy first waits for the writes in flight (one host copy at most). Lightning's
+    ``AsyncCheckpointIO`` queues without bound (a copy per save), copies on the GPU, and removes files while their
+    writes are queued (Lightning issue #14035). Every write is finished before ``fit`` returns or raises
+    (``teardown``), before a preemption or Ctrl-C exit (``signals``), and before a checkpoint is loaded. A failed
+    background write is raised at the next save or at the end of ``fit``.
+
+    Loading always uses ``weights_only=True`` (see ``load_checkpoint_file``), whatever ``--weights_only`` says.
+
+    Args:
+        background: Write in a background thread; ``false``: the loop waits for each whole save (write and fsync).
+    """
+
+    def __init__(self, background: bool = True) -> None:
+        super().__init__()
+        self.background = background
+        self._snapshot = HostSnapshot()
+        self._writer: ThreadPoolExecutor | None = None
+        self._queued: list[Future] = []  # writes and removals in flight, in order
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if "://" in str(path):
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        path = Path(path)
+        # SLURM's hpc_ckpt: Lightning requeues the job right after this returns, and the job is killed soon after,
+        # so the file must be whole by then
+        if "://" in str(path) or not self.background or Path(path).name.startswith("hpc_ckpt_"):
+            self.wait()
+            if "://" in str(path):
+                return super().save_checkpoint(checkpoint, path, storage_options)
+            return self._save_atomically(checkpoint, Path(path))
+        self._raise_failed_write()
+        on_host = self._snapshot.take(checkpoint, before_copying=self.wait)
+        self._submit(self._save_atomically, on_host, Path(path))
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        if self._queued:
+            self._submit(super().remove_checkpoint, path)  # after the writes queued before it, this file's too
+        else:
+            super().remove_checkpoint(path)
+
+    def wait(self) -> None:
+        """Returns once every queued write and removal is done; raises the first that failed."""
+        queued, self._queued = self._queued, []
+        errors = [f.exception() for f in queued]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
+
+    def teardown(self) -> None:
+        # End of fit, validate, ...: Lightning calls this after the run and after an exception, whose report a
+        # failed write must not replace; it is then printed beside it.
+        handling = sys.exc_info()[1]
+        try:
+            self.wait()
+        except Exception as error:
+            if handling is None:
+                raise
+            print(f"error: {error}", file=sys.stderr)  # beside the error the run is already failing with
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown()
+                self._writer = None
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._queued.append(self._writer.submit(fn, *args))
+
+    def _raise_failed_write(self) -> None:
+        if any(f.done() and f.exception() is not None for f in self._queued):
+            self.wait()
+
+    def _save_atomically(self, checkpoint: dict[str, Any], path: Path) -> None:
         tmp = path.with_name(f"{path.name}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,8 +271,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         torch.save(checkpoint, f)
 
     def load_checkpoint(self, path: _PATH, map_location: Any = "cpu", weights_only: bool | None = None) -> dict:
+        self.wait()
         if "://" in str(path):
             return super().load_checkpoint(path, map_location, weights_only=True)
         if not Path(path).is_file():
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return load_checkpoint_file(path, map_location=map_location)
+
+
+def wait_for_writes(trainer: Any) -> None:
+    """Returns once the trainer's background checkpoint writes are on disk; raises the first that failed."""
+    io = trainer.strategy.checkpoint_io
+    if isinstance(io, AtomicCheckpointIO):
+        io.wait()

@@ -13,14 +13,17 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Pr
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
+from project.engine.after_fit import test_best
 from project.engine.checkpoints import check_fits
 from project.engine.compat import cli_section
-from project.engine.config import SaveConfigOnce
+from project.engine.config import SaveConfigOnce, default_config_candidates, find_default_config
+from project.engine.console import quiet_console
 from project.engine.distributed import DestroyProcessGroup
 from project.engine.errors import check_yaml_files, one_line_errors, root_cause
 from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
 from project.engine.predictions import PredictionWriter
+from project.engine.rank_failures import RankFailures
 from project.engine.resume import ExactResume
 from project.engine.run_folder import RunFolder
 from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point_loggers_at
@@ -28,7 +31,6 @@ from project.engine.sharded import ShardedStrategy as Sharded
 from project.engine.sharded import check_same_network
 from project.engine.signals import Preemption
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
@@ -73,6 +75,10 @@ class CLI(LightningCLI):
                 f"{error} Check the --trainer arguments: this machine has {torch.cuda.device_count()} CUDA GPU(s)."
             )
 
+    def after_fit(self) -> None:  # LightningCLI calls it once fit has returned: not after a preemption or a crash
+        if self.config["fit"]["run"]["test_after_fit"]:
+            test_best(self.trainer, self.model, self.datamodule)
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = {**cli_section(self, self.config_init, "trainer"), **kwargs}
         callbacks = config.get("callbacks") or []
@@ -80,6 +86,8 @@ class CLI(LightningCLI):
         # Lightning's bar, redrawn every 10 batches rather than after each (~0.1 ms of Python a redraw); not in the
         # config's callback list, where it would make `--trainer.enable_progress_bar false` an error. A bar the
         # config brings wins.
+        if self.run_plan is not None:  # before the bar: the start line is printed before the bar's first frame
+            callbacks += [RunFolder(self.run_plan), Guarantees(self.run_plan, self.unknown_loggers)]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(TQDMProgressBar(refresh_rate=10, leave=False))
         if config.get("enable_checkpointing") is False or config.get("fast_dev_run"):
@@ -89,27 +97,42 @@ class CLI(LightningCLI):
         if config.get("logger") in (False, []) and any(isinstance(c, LearningRateMonitor) for c in callbacks):
             # it refuses a Trainer without a logger; `--trainer.logger false` should not need a second flag
             callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-        if self.run_plan is not None:
-            callbacks += [RunFolder(self.run_plan), Guarantees(self.run_plan, self.unknown_loggers)]
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 
 
-def cli_main(args: ArgsType = None) -> CLI:
+def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
+    """``python -m project fit|validate|test|predict ...``, or ``sweep ...`` (``project.engine.sweep``).
+
+    ``run=False``: parse and instantiate ``args`` (no subcommand) and run nothing, e.g. to check a sweep's space.
+    """
+    argv = sys.argv[1:] if args is None else args
+    if run and isinstance(argv, list | tuple) and list(argv[:1]) == ["sweep"]:
+        from project.engine.sweep import sweep_main  # optuna, from the sweep extra, only when sweeping
+
+        sweep_main(argv[1:])
+        return None
     # Subclass mode (no model/data class given): any LightningModule, DataModule or net is one class_path away.
-    defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
+    default = find_default_config()
+    if default is None and isinstance(argv, list) and not {"-c", "--config", "-h", "--help"} & set(map(str, argv)):
+        looked = " or ".join(str(path) for path in default_config_candidates())
+        rank_zero_only(print)(f"note: no base config at {looked}: only the --config files and flags given apply")
+    defaults = [str(default)] if default else []
+    kwargs = {"default_config_files": defaults, "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}
+    quiet_console()
     with one_line_errors():
         return CLI(
             save_config_callback=SaveConfigOnce,
             # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run
-            # looks finished / predict writes nothing.
+            # looks finished / predict writes nothing / a dead rank ends in a traceback wall.
             trainer_defaults={
-                "callbacks": [ExactResume(), Preemption(), StopOnNonFinite(), DestroyProcessGroup(), PredictionWriter()]
+                "callbacks": [
+                    *(ExactResume(), Preemption(), StopOnNonFinite(), RankFailures(), DestroyProcessGroup()),
+                    PredictionWriter(),
+                ]
             },
             # The usage line, not all 60 options, above an error; --help lists them.
-            parser_kwargs={
-                sub: {"default_config_files": defaults, "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}
-                for sub in SUBCOMMANDS
-            },
+            parser_kwargs={sub: kwargs for sub in SUBCOMMANDS} if run else kwargs,
             args=args,
+            run=run,
         )

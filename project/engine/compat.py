@@ -10,8 +10,11 @@ on a Lightning version where one changed.
   ``setup_environment`` reads; ``auto`` data parallelism is set to every rank (``project.engine.sharded``).
 - torch's ``torch.distributed.checkpoint._traverse.set_element``: how DCP's own load planner puts a non-tensor value
   into a nested state dict; the engine's planner does the same, reading the value with ``weights_only=True``.
+- ``Callback._generate_state_key``'s format, ``ClassName{'monitor': ..., 'mode': ...}``: the key a checkpoint files
+  each callback's state under, read back for a ``ModelCheckpoint``'s ``mode`` (``project.engine.best``).
 """
 
+import ast
 from typing import Any
 
 import lightning as L
@@ -44,3 +47,14 @@ def set_nested(state_dict: dict[str, Any], path: Any, value: Any) -> None:
     from torch.distributed.checkpoint._traverse import set_element
 
     set_element(state_dict, path, value)
+
+
+def state_key_arguments(state_key: str) -> dict[str, Any]:
+    """The arguments a callback's ``state_key`` holds (``ModelCheckpoint``: ``monitor``, ``mode``, ...); ``{}`` for a
+    key of another shape."""
+    _, brace, arguments = state_key.partition("{")
+    try:
+        parsed = ast.literal_eval(brace + arguments)
+    except (ValueError, SyntaxError):
+        return {}
+    return parsed if isinstance(parsed, dict) else {}

@@ -1,9 +1,25 @@
-"""The run's config file, saved once per invocation without ever overwriting the one a run began with."""
+"""Where the base config is found, and the run's config file, saved once per invocation without ever overwriting
+the one a run began with."""
 
 import os
+from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.cli import SaveConfigCallback
+
+DEFAULT_CONFIG = Path("configs") / "default.yaml"
+
+
+def default_config_candidates() -> list[Path]:
+    """Where ``configs/default.yaml`` is looked for, in order: beside the package (a source checkout, or
+    ``pip install -e``), then the working directory (the project folder, with the package installed without
+    ``-e`` into site-packages, where there is no ``configs/``)."""
+    here = Path(__file__).resolve().parents[2] / DEFAULT_CONFIG
+    return [here] if here == Path.cwd().resolve() / DEFAULT_CONFIG else [here, Path.cwd().resolve() / DEFAULT_CONFIG]
+
+
+def find_default_config() -> Path | None:
+    return next((path for path in default_config_candidates() if path.is_file()), None)
 
 
 class SaveConfigOnce(SaveConfigCallback):

@@ -14,7 +14,8 @@ from project.engine.runs import RunPlan
 
 class Guarantees(Callback):
     """Rank 0 prints, when training starts, e.g.
-    ``Run runs/digits/version_3 (continues from step 50) | exact resume: yes, also mid-epoch | logs: TensorBoard``
+    ``Run runs/digits/version_3 (continues from step 50 of runs/digits/version_3/checkpoints/last.ckpt) | 2 x cuda |
+    exact resume: yes, also mid-epoch | logs: TensorBoard``
     and after ``opts out:`` each guarantee the configuration or user code gives up, with the reason.
     """
 
@@ -25,10 +26,45 @@ class Guarantees(Callback):
         if trainer.is_global_zero:
             print(self.line(trainer), flush=True)
 
+    # validate/test/predict: where their results go and which weights they evaluate, in one line too, e.g.
+    # ``Run runs/digits/version_4 (test of runs/digits/version_3/checkpoints/last.ckpt, step 50) | 1 x cpu | logs: ...``
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._evaluation_line(trainer, "validate")
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._evaluation_line(trainer, "test")
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._evaluation_line(trainer, "predict")
+
+    def _evaluation_line(self, trainer: L.Trainer, stage: str) -> None:
+        if not trainer.is_global_zero:
+            return
+        plan = self.plan
+        weights = f"{plan.resumed_from}, step {plan.global_step}" if plan.resumed_from else "untrained weights"
+        print(
+            f"Run {trainer.default_root_dir} ({stage} of {weights}) | {self._ranks(trainer)} | logs: "
+            f"{self._logs(trainer)}",
+            flush=True,
+        )
+
+    @staticmethod
+    def _ranks(trainer: L.Trainer) -> str:
+        return f"{trainer.world_size} x {trainer.strategy.root_device.type}"  # Lightning's "GPU available" line
+
+    def _logs(self, trainer: L.Trainer) -> str:
+        loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]  # fast_dev_run's
+        logs = ", ".join(type(logger).__name__ for logger in loggers) or "none"
+        held = [type(lg).__name__ for lg in loggers if not isinstance(lg, (TensorBoardLogger, CSVLogger))]
+        if held:
+            logs += f" ({', '.join(held)}: values handed over at each checkpoint)"
+        return logs
+
     def line(self, trainer: L.Trainer) -> str:
         plan = self.plan
         if plan.continues:
-            start = f"continues from step {plan.global_step}"
+            start = f"continues from step {plan.global_step} of {plan.resumed_from}"
         elif plan.resumed_from is not None:
             start = f"new version, from {plan.resumed_from} (step {plan.global_step})"
         else:
@@ -54,11 +90,9 @@ class Guarantees(Callback):
         out += [
             f"logger {name}: unknown to the engine, a resume starts a new run in it" for name in self.unknown_loggers
         ]
-        loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]  # fast_dev_run's
-        logs = ", ".join(type(logger).__name__ for logger in loggers) or "none"
-        held = [type(lg).__name__ for lg in loggers if not isinstance(lg, (TensorBoardLogger, CSVLogger))]
-        if held:
-            logs += f" ({', '.join(held)}: values handed over at each checkpoint)"
         exact = "yes, also mid-epoch" if not out else "see opts out"
-        line = f"Run {trainer.default_root_dir} ({start}) | exact resume: {exact} | logs: {logs}"
+        line = (
+            f"Run {trainer.default_root_dir} ({start}) | {self._ranks(trainer)} | exact resume: {exact}"
+            f" | logs: {self._logs(trainer)}"
+        )
         return line + (" | opts out: " + "; ".join(out) if out else "")

@@ -117,6 +117,14 @@ def make_loader(
         if rank != 0:
             dataset = Subset(dataset, [0])
         world, rank = 1, 0
+    size = len(dataset)  # type: ignore[arg-type]
+    if not train and size < world:
+        # Some rank would get no batch: Lightning stops that rank alone with a traceback and the others then fail
+        # in their next collective. Every rank raises this alike instead.
+        raise ValueError(
+            f"the evaluation/predict set has {size} sample(s), fewer than the {world} ranks, and each rank needs "
+            f"one. Run it on {max(size, 1)} device(s) or fewer (--trainer.devices), or on more samples."
+        )
     # Under sharding every forward gathers each layer's weights from all ranks, so every rank must run as many
     # evaluation batches as the others: the set is padded like the training set (a few samples count twice).
     sharded = trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy)

@@ -22,9 +22,10 @@ from typing import Any
 from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from project.engine.best import best_checkpoint
 from project.engine.checkpoints import CheckpointLoadError, load_checkpoint_file
 from project.engine.compat import set_csv_columns
-from project.engine.sharded import is_sharded_checkpoint, read_meta
+from project.engine.sharded import is_checkpoint_folder, is_sharded_checkpoint, read_meta
 
 RUN_RECORD = "run.json"  # the run's logger ids, for a resume to continue the same MLflow/W&B run
 
@@ -36,12 +37,14 @@ class Runs:
     Args:
         root: Folder that holds every kind of run.
         name: Subfolder for this kind of run; ``None``: named after the data module (``DigitsDataModule``: ``digits``).
+        test_after_fit: When ``fit`` finishes (not when it is stopped), run ``test`` on its best checkpoint in the
+            same process, on every rank, logging ``test/*`` into the same run (``project.engine.after_fit``).
     """
 
-    def __init__(self, root: str = "runs", name: str | None = None) -> None:
+    def __init__(self, root: str = "runs", name: str | None = None, test_after_fit: bool = False) -> None:
         if name is not None and (not name or "/" in name or name in (".", "..")):
             raise ValueError(f"run.name ({name!r}) must be one folder name, without '/'")
-        self.root, self.name = root, name
+        self.root, self.name, self.test_after_fit = root, name, test_after_fit
 
 
 class ResumeError(ValueError):
@@ -125,6 +128,41 @@ def find_last_checkpoint(family: Path) -> tuple[Path, int] | None:
     return None
 
 
+def find_best_checkpoint(name: str, family: Path) -> Path:
+    """``best``: the best checkpoint of the newest run (the run ``last`` would pick); a run folder: that run's best
+    (``project.engine.best``). A run with no checkpoint saved by a monitoring ``ModelCheckpoint`` gives its newest
+    loadable one instead. Rank 0 prints which file and why; ``ResumeError`` when there is no checkpoint to give."""
+    flag = f"--ckpt_path {name}"
+    if name == "best":
+        found = find_last_checkpoint(family)
+        if found is None:
+            raise ResumeError(
+                f"{flag}: no checkpoint under {family}/*/. Train one first (python -m project fit), or give a .ckpt "
+                "file or a run folder."
+            )
+        folder = found[0].parent
+        run_dir = folder.parent if folder.name == "checkpoints" else folder  # as _run_of, but as the user wrote it
+    else:
+        run_dir = Path(name)
+    best = best_checkpoint(run_dir)
+    if best is not None:
+        scored, ranked = best
+        rank_zero_info(
+            f"{flag}: {scored.path} (best {scored.monitor} {scored.score:.4f}, mode {scored.mode}, of the {ranked} "
+            f"top-k checkpoint(s) of {run_dir})"
+        )
+        return scored.path
+    in_run = _checkpoints_newest_first(run_dir, "checkpoints/*.ckpt", "hpc_ckpt_*.ckpt")
+    newest = next((p for p in in_run if _loads(p)), None)
+    if newest is None:
+        raise ResumeError(
+            f"{flag}: {run_dir} holds no loadable checkpoint (in checkpoints/). Give a run folder "
+            f"({family}/version_N) that has one, 'best' or 'last'."
+        )
+    rank_zero_info(f"{flag}: {newest} (no ModelCheckpoint with a monitor saved a checkpoint in {run_dir}: its last)")
+    return newest
+
+
 def next_version_dir(family: Path) -> Path:
     versions = [int(p.name[8:]) for p in family.glob("version_*") if p.is_dir() and p.name[8:].isdigit()]
     return family / f"version_{max(versions, default=-1) + 1}"
@@ -154,22 +192,36 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
     family = family_dir(config)
     check_save_dir(family)
     ckpt_path = config.get("ckpt_path")
-    if ckpt_path is None or ckpt_path in ("best", "hpc", "registry"):
+    if ckpt_path is None or ckpt_path in ("hpc", "registry"):
         return RunPlan(next_version_dir(family))
+    if ckpt_path == "best" or (Path(ckpt_path).is_dir() and not is_checkpoint_folder(Path(ckpt_path))):
+        path = find_best_checkpoint(ckpt_path, family)
+        config["ckpt_path"] = str(path)
+        # a new version even for fit: starting from a run's best is a branch, the run itself is never written into
+        return RunPlan(next_version_dir(family), resumed_from=path, global_step=read_global_step(path))
     if ckpt_path == "last":
         found = find_last_checkpoint(family)
+        if found is None and subcommand != "fit":  # evaluating random weights is never what was asked for
+            raise ResumeError(
+                f"--ckpt_path last: no checkpoint under {family}/*/ to {subcommand}. Train one first (python -m "
+                "project fit), or give a .ckpt file."
+            )
         if found is None:
             rank_zero_info(f"--ckpt_path last: no checkpoint under {family}/*/; starting from scratch.")
             config["ckpt_path"] = None
             return RunPlan(next_version_dir(family))
         path, global_step = found
-        rank_zero_info(f"--ckpt_path last: resuming from {path} (global step {global_step})")
+        if subcommand == "fit":  # an evaluation's start line names the checkpoint (project.engine.guarantees)
+            rank_zero_info(f"--ckpt_path last: resuming from {path} (global step {global_step})")
         config["ckpt_path"] = str(path)
         continues = True
     else:
         path = Path(ckpt_path)
-        if not path.exists():
-            raise ResumeError(f"--ckpt_path {ckpt_path}: no such file. Give an existing .ckpt, or 'last'.")
+        if not (path.is_file() or is_checkpoint_folder(path)):
+            raise ResumeError(
+                f"--ckpt_path {ckpt_path}: no such file or run folder. Give an existing .ckpt, a run folder "
+                f"({family}/version_N), 'best' or 'last'."
+            )
         try:
             global_step = read_global_step(path)
         except ResumeError as error:

@@ -54,6 +54,12 @@ def is_sharded_checkpoint(path: _PATH) -> bool:
     return path.is_dir() and (path / META).is_file() and (path / INDEX).is_file()
 
 
+def is_checkpoint_folder(path: _PATH) -> bool:
+    """A sharded checkpoint folder, complete or not (a run folder holds none of these files)."""
+    path = Path(path)
+    return path.is_dir() and ((path / META).exists() or (path / INDEX).exists() or any(path.glob("*.distcp")))
+
+
 def check_complete(path: _PATH) -> None:
     path = Path(path)
     missing = [name for name in (META, INDEX) if not (path / name).is_file()]

@@ -11,6 +11,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from project.engine.checkpoints import wait_for_writes
 from project.engine.compat import request_stop_at_batch_end
 
 # Exit codes of a run stopped by a signal after saving last.ckpt: 128 + the signal's number, as a shell reports a
@@ -92,6 +93,7 @@ class Preemption(Callback):
             rank_zero_info(f"{what} during validation: kept the last checkpoint. Exit code {code}.")
         elif path is not None:
             trainer.save_checkpoint(path)  # every rank takes part (RNG states are gathered); rank 0 writes
+            wait_for_writes(trainer)  # on disk before saying so (and before the exit)
             rank_zero_info(f"{what}: saved {path}; resume with --ckpt_path last. Exit code {code}.")
         exception.code = code  # SIGTERMException is a SystemExit: this becomes the exit status
 

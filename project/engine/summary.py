@@ -1,4 +1,4 @@
-"""The line a finished run ends with: best score, best checkpoint, run folder; and the same score in HParams."""
+"""The line a finished run ends with: best score, best checkpoint, run folder; and the same score in each logger."""
 
 from typing import Any
 
@@ -13,10 +13,12 @@ class RunSummary(L.Callback):
     run folder runs/digits/version_0``.
 
     The score and path come from the first ``ModelCheckpoint`` with a ``monitor``, so they are the ones that
-    callback kept (restored with it on resume). A ``TensorBoardLogger`` also gets the score with the run's
-    hyperparameters, as ``best/<monitor>``: TensorBoard's HParams view lists only runs whose hyperparameters came
-    with a metric, and Lightning's own call passes none under ``default_hp_metric: false``. A tag of its own
-    keeps the ``val/acc`` curve free of an extra point. Nothing is printed or logged when ``fit`` is interrupted.
+    callback kept (restored with it on resume). Every logger also gets the score as ``best/<monitor>`` at the last
+    step: a tag of its own keeps the ``val/acc`` curve free of an extra point, and it is what a run table sorts by
+    (MLflow's and W&B's run lists show a metric's last value; a CSV's last row has it). A ``TensorBoardLogger`` gets
+    it with the run's hyperparameters: TensorBoard's HParams view lists only runs whose hyperparameters came with a
+    metric, and Lightning's own call passes none under ``default_hp_metric: false``. Nothing is printed or logged
+    when ``fit`` is interrupted.
     """
 
     def __init__(self) -> None:
@@ -38,10 +40,12 @@ class RunSummary(L.Callback):
         )
         if score is None:
             return
-        for logger in trainer.loggers:  # only TensorBoard's takes metrics; the call is rank-zero-only
-            if isinstance(logger, TensorBoardLogger):
-                metrics = {f"best/{checkpoint.monitor}": score.item()}
+        metrics = {f"best/{checkpoint.monitor}": score.item()}
+        for logger in trainer.loggers:  # loggers' calls are rank-zero-only
+            if isinstance(logger, TensorBoardLogger):  # which logs the metrics too
                 logger.log_hyperparams(_run_hparams(trainer, pl_module), metrics, step=trainer.global_step)
+            else:
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # After the progress bar is closed, so the line is the run's last and stands on its own.

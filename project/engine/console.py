@@ -1,0 +1,77 @@
+"""What the console says: the run's own lines, Lightning's results and progress, and warnings worth acting on.
+
+Silenced here, each by its exact message (and category, for warnings), never all of a kind:
+
+- warnings the template causes by design, or that come from inside a dependency and that a user can do nothing
+  about (``SILENCED_WARNINGS``);
+- Lightning's INFO lines that advertise or that repeat what the run's start line (``project.engine.guarantees``)
+  and end line (``project.engine.summary``) say (``SILENCED_INFO``).
+
+``PROJECT_VERBOSE=1`` turns this off and brings every line back. A warning not listed here is shown: after a
+dependency upgrade it is either acted on or added here on purpose (``tests/test_console.py`` lists every line).
+"""
+
+import logging
+import os
+import re
+import warnings
+
+VERBOSE_ENV = "PROJECT_VERBOSE"
+
+# (message regex matched at the start of the message, category)
+SILENCED_WARNINGS: list[tuple[str, type[Warning]]] = [
+    # Lightning 2.6 uses torch's deprecated LeafSpec on every batch it moves (lightning/pytorch/utilities/_pytree.py)
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    # Lightning's all_gather (torchmetrics syncs under DDP) calls torch's deprecated functional collective
+    (r"torch\.distributed\.nn\.functional\.all_gather is deprecated", FutureWarning),
+    # validate/test/predict of another run's checkpoint write into a run folder of their own (project.engine.runs);
+    # the ModelCheckpoint state they do not reload is never used by an evaluation
+    (r"The dirpath has changed from ", UserWarning),
+    # fit --ckpt_path last continues the run's own folder, checkpoints included, on purpose
+    (r"Checkpoint directory .* exists and is not empty\.", UserWarning),
+]
+
+# Lightning's INFO lines that are dropped, by how the message starts ("[rank: N] " prefix removed).
+SILENCED_INFO = (
+    "💡 Tip: ",  # advertisements for litlogger / litmodels
+    "GPU available: ",  # the start line names the device and the number of ranks
+    "TPU available: ",
+    "Seed set to ",  # the seed is in the run's config.yaml
+    "Initializing distributed: ",  # one per rank; the start line gives the count
+    "-" * 100 + "\ndistributed_backend=",  # the "All distributed processes registered" banner
+    "LOCAL_RANK: ",  # "LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: [...]", one per rank
+    # the start line names the checkpoint a run resumes from or evaluates
+    "Restoring states from the checkpoint path at ",
+    "Loaded model weights from the checkpoint at ",
+    "Restored all states from the checkpoint at ",
+    "`Trainer.fit` stopped: `max_epochs=",  # the planned end; the run summary follows
+    "`Trainer.fit` stopped: `max_steps=",
+)
+_RANK_PREFIX = re.compile(r"^\[rank: \d+\] ")
+
+
+class _DropInfo(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO:
+            return True
+        return not _RANK_PREFIX.sub("", record.getMessage()).startswith(SILENCED_INFO)
+
+
+def quiet_console() -> None:
+    """Installs the filters in this process (every rank calls it); nothing when ``PROJECT_VERBOSE`` is set."""
+    if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+        return
+    for message, category in SILENCED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    # Filters on the loggers that create the records (a logger's filter does not see its children's records):
+    # rank_zero_info's, and the seed and process-group modules' own.
+    for name in (
+        "lightning.fabric.utilities.rank_zero",
+        "lightning.pytorch.utilities.rank_zero",
+        "lightning.fabric.utilities.seed",
+        "lightning.fabric.utilities.distributed",
+        "lightning.pytorch.accelerators.cuda",
+    ):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropInfo) for f in log.filters):
+            log.addFilter(_DropInfo())

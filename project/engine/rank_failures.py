@@ -1,0 +1,183 @@
+"""A dead rank in one line: which rank failed and how, the checkpoint to resume from, and the command that does.
+
+Under Lightning's ``ddp`` launcher rank 0 is the process the user started and every other rank is its child. When
+one rank dies (a signal such as ``kill -9`` or the out-of-memory killer, or an exception on that rank only), the
+others fail inside their next collective (gloo: "Connection reset by peer") and each would print a traceback wall
+that names neither the dead rank nor what to do. Here a survivor's ``on_exception`` recognises that a peer is gone,
+and one of them (rank 0, or the lowest surviving rank when rank 0 is the one that died) prints instead::
+
+    error: rank 1 was killed by SIGKILL (kill -9, or out of memory); the other ranks stopped. Newest complete
+    checkpoint, intact: runs/digits/version_0/checkpoints/last.ckpt (step 6). Resume: python -m project fit ...
+    --ckpt_path last
+
+(one line) and exits with code 1 at once. A rank whose own code raised keeps its traceback (the cause) and leaves
+its exception's first line in ``<run>/.failures/`` for the reporter. ``PROJECT_FAILURE_REPORT=FILE`` also writes
+the line to FILE (``scripts/train_resilient.sh`` repeats it when it restarts). Under torchrun or SLURM the
+launcher reports failed ranks itself and this stays out of the way. Tested with 2 ranks on CPU (gloo); with more,
+when rank 0 dies each survivor prints the line.
+"""
+
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.environments import LightningEnvironment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from project.engine.runs import find_last_checkpoint
+from project.engine.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+
+REPORT_ENV = "PROJECT_FAILURE_REPORT"
+NOTES = ".failures"  # in the run folder: "<rank>.txt" holds the first line of that rank's own exception
+# Stops every rank makes on purpose (Ctrl-C, preemption, the NaN guard's SystemExit): no rank failed.
+DELIBERATE = (KeyboardInterrupt, SystemExit, SIGTERMException)
+STOP_CODES = (PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE)
+WAIT_S = 5.0  # how long a survivor waits to learn which rank died and how
+
+
+def is_peer_gone(error: BaseException) -> bool:
+    """The error a collective raises when another rank's process is gone (gloo), not an error of this rank."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        s in text for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "pair.cc")
+    )
+
+
+def resume_command(argv: list[str]) -> str:
+    """``python -m project fit ARGS --ckpt_path last`` from this process's arguments, without its ``--ckpt_path``."""
+    args, skip = [], False
+    for arg in argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            args.append(arg)
+    if args and args[0] in ("validate", "test", "predict"):
+        args[0] = "fit"
+    return shlex.join(["python", "-m", "project", *args, "--ckpt_path", "last"])
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+class RankFailures(Callback):
+    """Turns the death of one rank of a Lightning-launched DDP run into the one-line report described above."""
+
+    def __init__(self) -> None:
+        self.rank, self.parent, self.active = 0, 0, False
+        self.notes: Path | None = None
+        self.family = Path()
+        self.children: list = []
+        self._watcher: threading.Thread | None = None
+        self._done = self._own_error = False
+        self._lock = threading.Lock()  # one report per process: the watcher's or on_exception's
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.rank = trainer.global_rank
+        # Lightning's launcher (not torchrun/SLURM) started the ranks: the others are rank 0's children
+        self.active = trainer.world_size > 1 and type(trainer.strategy.cluster_environment) is LightningEnvironment
+        self.parent = os.getppid()
+        self.children = list(getattr(trainer.strategy.launcher, "procs", None) or [])
+        self.notes = Path(trainer.default_root_dir) / NOTES
+        self.family = Path(trainer.default_root_dir).parent
+        if self.active and self.rank == 0 and self.notes.is_dir():
+            for old in self.notes.glob("*.txt"):  # an earlier failure of this run folder
+                old.unlink(missing_ok=True)
+        if self.active and self._watcher is None:
+            # Not only the next collective's error: rank 0 may be far from one (and Lightning's own observer
+            # SIGKILLs it, silently, within 5 s of a child's death), and NCCL reports a dead peer only at its timeout.
+            # So rank 0 watches its children, and the others watch rank 0, their parent.
+            self._watcher = threading.Thread(target=self._watch, daemon=True, name="rank-failures")
+            self._watcher.start()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._done = True  # before DestroyProcessGroup's barrier (this callback comes first): rank 0 may exit next
+
+    def _watch(self) -> None:
+        while not self._done:
+            for i, proc in enumerate(self.children):
+                code = proc.poll()
+                # a signal, or an exception this rank left a note for; not a deliberate exit (NaN stop, preemption)
+                if code and code not in STOP_CODES and not self._own_error and (code < 0 or self._note(i + 1)):
+                    self._report(i + 1, self._how(i + 1, code))
+            if self.rank != 0 and os.getppid() != self.parent and not self._done and not self._own_error:
+                self._report(0, self._rank0_how())
+            time.sleep(0.2)
+
+    def _rank0_how(self) -> str:
+        note = self._note(0)  # rank 0 is not this process's child: its exit status is its shell's to see
+        return f"raised {note}" if note else "was killed by a signal (kill -9, or out of memory)"
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if not self.active or isinstance(exception, DELIBERATE):
+            self._done = True  # every rank stops here on purpose; a rank exiting first is no failure
+            return
+        if not is_peer_gone(exception):
+            self._own_error = True
+            self._leave_note(exception)  # this rank's own error: its traceback follows, the reporter names it
+            return
+        deadline = time.monotonic() + WAIT_S
+        if self.rank == 0:
+            while time.monotonic() < deadline and not any(p.poll() for p in self.children):
+                time.sleep(0.05)
+            failed = [(i + 1, p.returncode) for i, p in enumerate(self.children) if p.returncode]
+            if not failed:
+                return  # no child is gone: not a dead peer after all; the traceback stays
+            dead, code = failed[0]
+            self._report(dead, self._how(dead, code))
+        else:
+            # rank 0 is the parent: when it is gone this process is re-parented
+            while time.monotonic() < deadline and os.getppid() == self.parent and not self._note(0):
+                time.sleep(0.05)
+            if os.getppid() == self.parent and not self._note(0):
+                return  # rank 0 lives: it reports (another rank died)
+            while time.monotonic() < deadline and os.getppid() == self.parent:
+                time.sleep(0.05)  # rank 0 raised; let its traceback come first
+            self._report(0, self._rank0_how())
+
+    def _leave_note(self, exception: BaseException) -> None:
+        if self.notes is not None:
+            self.notes.mkdir(parents=True, exist_ok=True)
+            (self.notes / f"{self.rank}.txt").write_text(_first_line(exception))
+
+    def _note(self, rank: int) -> str | None:
+        path = self.notes / f"{rank}.txt" if self.notes is not None else None
+        return path.read_text().strip() if path is not None and path.is_file() else None
+
+    def _how(self, rank: int, code: int) -> str:
+        if code < 0:
+            name = signal.Signals(-code).name
+            hint = " (kill -9, or out of memory)" if -code == signal.SIGKILL else ""
+            return f"was killed by {name}{hint}"
+        note = self._note(rank)
+        return f"raised {note}" if note else f"exited with code {code}"
+
+    def _report(self, rank: int, how: str) -> None:
+        if not self._lock.acquire(blocking=False):
+            time.sleep(60)  # the other thread is reporting and ends the process
+        for proc in self.children:  # the other ranks, still waiting in a collective
+            if proc.poll() is None:
+                proc.kill()
+        found = find_last_checkpoint(self.family)
+        if found is None:
+            saved = "No checkpoint was written yet."
+        else:
+            path, step = found
+            saved = f"Newest complete checkpoint, intact: {path} (step {step})."
+        line = f"error: rank {rank} {how}; the other ranks stopped. {saved} Resume: {resume_command(sys.argv)}"
+        sys.stdout.flush()
+        print(line, file=sys.stderr, flush=True)
+        if os.environ.get(REPORT_ENV):  # for a restarting script: what happened, without the command it runs itself
+            Path(os.environ[REPORT_ENV]).write_text(f"rank {rank} {how}; {saved[0].lower()}{saved[1:-1]}\n")
+        # At once: unwinding would print the gloo traceback of this rank, and a child still in a collective could
+        # wait; exit code 1 like any failed run.
+        os._exit(1)

@@ -1,0 +1,305 @@
+"""``python -m project sweep --config configs/sweep.yaml``: an Optuna study whose trials are ordinary ``fit`` runs.
+
+Each trial is ``python -m project fit FIT_ARGS --run.root <root>/<name> --run.name trial_N --KEY VALUE ...
+--ckpt_path last`` in a process of its own, so DDP, launchers and every engine guarantee apply to it, and its run
+folder is ``<root>/<name>/trial_N/version_0``. The study lives in ``<root>/<name>/study.db``. A worker holds a lock
+on ``trial_N/worker.lock`` while trial N runs; a RUNNING trial whose lock is free was left by a dead worker (a
+kill -9, a lost node), and the next worker to look takes it over: same number, parameters and run folder, resumed
+from its ``last.ckpt``. Trial N is sampled with seed ``seed + N`` from the trials finished before it, so a sweep
+killed and started again samples what the uninterrupted one would have.
+"""
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import optuna
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from project.engine.errors import root_cause
+from project.engine.runs import check_save_dir
+from project.engine.sweep_report import report
+from project.engine.sweep_space import check_space, check_spec, suggest
+from project.engine.sweep_trial import ReportToStudy, open_storage, trial_id
+
+PACKAGE = __name__.split(".")[0]  # `python -m project`, whatever a copy of the template renamed it to
+RESUMABLE = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # the trial saved last.ckpt and stopped: resume it
+
+
+class Sweep:
+    """A hyper-parameter search: an Optuna study whose trials are ordinary ``fit`` runs.
+
+    Args:
+        name: The sweep's folder under ``root``: the study database, ``trial_N/`` run folders, ``sweep.png``.
+        space: Search space keyed by the CLI's dotted names: ``{type: float|int, low, high, log, step}`` or
+            ``{type: categorical, choices: [...]}`` (numbers, strings, booleans, class paths).
+        trials: Trials in the study, all workers together. Run again with more to extend a finished sweep.
+        monitor: Metric to optimise, as the run logs it. A trial's value is its best over the run's validations
+            (the score of its best checkpoint); the pruner sees it after each epoch.
+        direction: Whether a larger (``maximize``) or smaller ``monitor`` is better.
+        fit: Arguments every trial's ``fit`` gets, as on the command line, e.g. ``[--trainer.max_epochs, "10"]``.
+        pruner: Optuna pruner, deciding after each epoch's validation; ``null``: every trial runs to its end.
+        seed: Sampler seed; trial N is sampled with ``seed + N``.
+        startup_trials: Random trials before TPE (Optuna's default sampler) takes over.
+        enqueue: Parameter sets tried first (e.g. your current best config), each ``{dotted name: value}``.
+        root: Folder that holds the sweeps.
+        storage: Optuna storage; ``null``: ``sqlite:///<root>/<name>/study.db``. When workers on several machines
+            share a disk on which SQLite's locks are unreliable (NFS), a ``.journal`` file path, or a database
+            server's URL (``postgresql://...``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        space: dict[str, dict[str, Any]],
+        trials: int = 20,
+        monitor: str = "val/acc",
+        direction: Literal["maximize", "minimize"] = "maximize",
+        fit: list[str] | None = None,
+        pruner: optuna.pruners.BasePruner | None = None,
+        seed: int = 0,
+        startup_trials: int = 10,
+        enqueue: list[dict[str, Any]] | None = None,
+        root: str = "runs",
+        storage: str | None = None,
+    ) -> None:
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"name ({name!r}) must be one folder name, without '/'")
+        if trials < 1:
+            raise ValueError(f"trials ({trials}) must be >= 1")
+        if not space:
+            raise ValueError("space is empty: give at least one `dotted.name: {type: ...}`")
+        for key, spec in space.items():
+            check_spec(key, spec)
+        for params in enqueue or []:
+            if unknown := set(params) - set(space):
+                raise ValueError(f"enqueue: {sorted(unknown)} not in the space; enqueue only keys of the space")
+        self.name, self.space, self.trials, self.monitor, self.direction = name, space, trials, monitor, direction
+        self.fit, self.pruner, self.seed, self.startup_trials = list(fit or []), pruner, seed, startup_trials
+        self.enqueue, self.folder = list(enqueue or []), Path(root) / name
+        self.storage = storage or f"sqlite:///{(self.folder / 'study.db').resolve()}"
+        self.pruner_config: dict[str, Any] | None = None  # the pruner as class_path/init_args, for the trials
+
+    def identity(self) -> dict[str, Any]:
+        """What a restart must not change: what the finished trials ran and were judged by."""
+        return {"space": self.space, "fit": self.fit, "monitor": self.monitor, "direction": self.direction}
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog=f"python -m {PACKAGE} sweep", description="Runs an Optuna study of fit runs.")
+    parser.add_argument("-c", "--config", action=ActionConfigFile, help="The sweep's YAML (configs/sweep.yaml).")
+    parser.add_class_arguments(Sweep, fail_untyped=True)
+    parser.add_argument("--workers", type=int, default=1, help="Worker processes sharing the study on this machine.")
+    parser.add_argument("--show", action="store_true", help="Print the results so far; run nothing.")
+    parser.add_argument("--report", type=bool, default=True, help="Print the results when done (helper workers: no).")
+    return parser
+
+
+def sweep_from(parser: ArgumentParser, config: Any) -> Sweep:
+    """The ``Sweep`` of a parsed command line; raises ``ValueError`` for a bad one."""
+    init = parser.instantiate_classes(config)
+    sweep = Sweep(**{k: v for k, v in vars(init).items() if k not in ("config", "workers", "show", "report")})
+    sweep.pruner_config = config.pruner.as_dict() if config.pruner is not None else None
+    return sweep
+
+
+def sweep_main(argv: list[str]) -> None:
+    parser = build_parser()
+    config = parser.parse_args(argv)
+    try:
+        sweep = sweep_from(parser, config)
+        if config.workers < 1:
+            raise ValueError(f"--workers ({config.workers}) must be >= 1")
+        check_save_dir(sweep.folder)
+        if not config.show:
+            check_space(sweep.space, sweep.fit)  # every key and range against the real fit parser
+    except ValueError as error:
+        parser.error(" ".join(str(root_cause(error)).split()))
+    if config.show and not sweep.folder.is_dir():
+        parser.error(f"--show: no sweep in {sweep.folder} yet; run it without --show first")
+    sweep.folder.mkdir(parents=True, exist_ok=True)
+    with sweep_lock(sweep.folder):
+        study = open_study(sweep, create=not config.show, error=parser.error)
+    if config.show:
+        print(report(study, sweep.folder, sweep.monitor))
+        return
+    helpers = [_start_helper(argv) for _ in range(config.workers - 1)]
+    code = work(sweep)
+    codes = [code] + [helper.wait() for helper in helpers]
+    if config.report:
+        study = optuna.load_study(study_name=sweep.name, storage=open_storage(sweep.storage))
+        print(report(study, sweep.folder, sweep.monitor), flush=True)
+    sys.exit(next((c for c in codes if c), 0))
+
+
+def open_study(sweep: Sweep, create: bool, error: Any) -> optuna.Study:
+    """The sweep's study; created (and its ``enqueue`` added) on the first run. Refuses a changed space or fit."""
+    storage = open_storage(sweep.storage)
+    try:
+        study = optuna.load_study(study_name=sweep.name, storage=storage)
+    except KeyError:
+        if not create:
+            error(f"no sweep {sweep.name!r} in {sweep.storage} yet; run it without --show first")
+        study = optuna.create_study(study_name=sweep.name, storage=storage, direction=sweep.direction)
+        study.set_user_attr("sweep", sweep.identity())
+        for params in sweep.enqueue:
+            study.enqueue_trial(params)
+    started_as = study.user_attrs.get("sweep")
+    if started_as is not None and json.loads(json.dumps(sweep.identity())) != started_as:
+        changed = [k for k, v in sweep.identity().items() if json.loads(json.dumps(v)) != started_as.get(k)]
+        error(
+            f"sweep {sweep.name!r} in {sweep.folder} was started with another {', '.join(changed)}; its trials would"
+            f" not compare. Restore them, or give the new search another name."
+        )
+    return study
+
+
+@contextlib.contextmanager
+def sweep_lock(folder: Path) -> Iterator[None]:
+    """One worker at a time takes a trial (new or orphaned), so two never take the same one."""
+    with open(folder / "sweep.lock", "a") as f:
+        fcntl.lockf(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(f, fcntl.LOCK_UN)
+
+
+def _lock_trial(folder: Path, number: int) -> Any | None:
+    """The open, locked ``trial_N/worker.lock`` (held while the trial runs), or None if a live worker holds it.
+
+    POSIX locks: the kernel (or the NFS server) drops them when their process dies, however it dies.
+    """
+    path = folder / f"trial_{number}" / "worker.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")  # noqa: SIM115 (held open for the whole trial)
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    f.truncate(0)
+    f.write(f"{os.uname().nodename} {os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def take_trial(sweep: Sweep, study: optuna.Study, storage: optuna.storages.BaseStorage) -> tuple[int, Any] | None:
+    """A RUNNING trial left by a dead worker, else a new trial while the study has fewer than ``trials``; with
+    its lock held and its parameters set. Called under ``sweep_lock``."""
+    for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        lock = _lock_trial(sweep.folder, frozen.number)
+        if lock is not None:
+            print(f"sweep {sweep.name}: trial {frozen.number} was left running by a dead worker; resuming it")
+            return _set_params(sweep, study, storage, frozen.number), lock
+    if len(study.trials) >= sweep.trials:
+        return None
+    trial = study.ask()
+    lock = _lock_trial(sweep.folder, trial.number)
+    assert lock is not None, "a new trial's lock is free: the sweep lock is held"
+    return _set_params(sweep, study, storage, trial.number), lock
+
+
+def _set_params(sweep: Sweep, study: optuna.Study, storage: optuna.storages.BaseStorage, number: int) -> int:
+    # A sampler seeded by the trial number: the sample depends on the finished trials only, not on how many
+    # samples this process drew before (a restarted sweep draws what the uninterrupted one did). Parameters
+    # already in the study (a trial taken over) are returned as they are.
+    study.sampler = optuna.samplers.TPESampler(seed=sweep.seed + number, n_startup_trials=sweep.startup_trials)
+    trial = optuna.trial.Trial(study, trial_id(storage, sweep.name, number))
+    for key, spec in sweep.space.items():
+        suggest(trial, key, spec)
+    return number
+
+
+def trial_command(sweep: Sweep, number: int, params: dict[str, Any]) -> list[str]:
+    report_to_study = {
+        "class_path": f"{ReportToStudy.__module__}.{ReportToStudy.__qualname__}",
+        "init_args": {"storage": sweep.storage, "study": sweep.name, "trial": number, "monitor": sweep.monitor},
+    }
+    if sweep.pruner_config is not None:
+        report_to_study["init_args"]["pruner"] = sweep.pruner_config
+    # a class path (model.init_args.net) before its own arguments (model.init_args.net.init_args.dropout), which
+    # jsonargparse would otherwise apply to the class it replaces
+    values = [f"--{key}={value}" for key, value in sorted(params.items(), key=lambda item: item[0].count("."))]
+    return [
+        *(sys.executable, "-m", PACKAGE, "fit", *sweep.fit, "--run.root", str(sweep.folder)),
+        *("--run.name", f"trial_{number}", *values, f"--trainer.callbacks+={json.dumps(report_to_study)}"),
+        *("--ckpt_path", "last"),  # a new trial starts from scratch; a taken-over one resumes
+    ]
+
+
+def _die_with_parent() -> None:
+    # Linux: SIGTERM the trial when the sweep dies (kill -9 included), so no orphan trains on; SIGTERM makes the
+    # trial save last.ckpt, which the restarted sweep resumes from.
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def run_trial(command: list[str], log: Path) -> int:
+    with open(log, "a") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        while True:
+            try:
+                return process.wait()
+            except KeyboardInterrupt:
+                continue  # Ctrl-C reached the trial too: it saves last.ckpt and exits 130; wait for that
+
+
+def work(sweep: Sweep) -> int:
+    """Takes and runs trials until the study has ``trials``; returns 0, or the exit code of a trial that was
+    stopped by a signal (it stays RUNNING and the next sweep resumes it)."""
+    storage = open_storage(sweep.storage)
+    while True:
+        with sweep_lock(sweep.folder):
+            study = optuna.load_study(study_name=sweep.name, storage=storage)
+            taken = take_trial(sweep, study, storage)
+        if taken is None:
+            return 0
+        number, lock = taken
+        try:
+            frozen = study.get_trials(deepcopy=False)[number]
+            if "pruned_at_epoch" not in frozen.user_attrs:  # else it was pruned, then killed before being told
+                log = sweep.folder / f"trial_{number}" / "fit.log"
+                print(f"sweep {sweep.name}: trial {number} {frozen.params} -> {log}", flush=True)
+                code = run_trial(trial_command(sweep, number, frozen.params), log)
+                if code < 0 or code in RESUMABLE:
+                    print(f"sweep {sweep.name}: trial {number} stopped (exit {code}); run again to resume it")
+                    return code if code > 0 else 128 - code
+                frozen = study.get_trials(deepcopy=False)[number]
+            else:
+                code = 0
+            _tell(sweep, study, frozen, code)
+        finally:
+            lock.close()
+
+
+def _tell(sweep: Sweep, study: optuna.Study, frozen: optuna.trial.FrozenTrial, code: int) -> None:
+    values = list(frozen.intermediate_values.values())
+    log = sweep.folder / f"trial_{frozen.number}" / "fit.log"
+    if code == 0 and "pruned_at_epoch" in frozen.user_attrs:
+        study.tell(frozen.number, state=optuna.trial.TrialState.PRUNED)
+        outcome = f"pruned after epoch {frozen.user_attrs['pruned_at_epoch']}"
+    elif code == 0 and values:
+        value = max(values) if sweep.direction == "maximize" else min(values)
+        study.tell(frozen.number, value)
+        outcome = f"{sweep.monitor} {value:.4f}"
+    else:
+        study.tell(frozen.number, state=optuna.trial.TrialState.FAIL)
+        reason = f"exit code {code}" if code else f"never logged {sweep.monitor}"
+        outcome = f"failed ({reason}; see {log})"
+    print(f"sweep {sweep.name}: trial {frozen.number} {outcome}", flush=True)
+
+
+def _start_helper(argv: list[str]) -> subprocess.Popen:
+    # Another worker on the same study: the same command, one worker; it dies with this process.
+    command = [sys.executable, "-m", PACKAGE, "sweep", *argv, "--workers", "1", "--report", "false"]
+    return subprocess.Popen(command, preexec_fn=_die_with_parent)

@@ -1,0 +1,149 @@
+"""Background checkpoint writes lose nothing: a file holds the state of its save, a write in flight is never what
+``--ckpt_path last`` picks, removals wait for their writes, and every write is finished before fit returns or
+raises, before a preemption exit; a kill during a write resumes from the previous complete file, bit-exact."""
+
+import random
+import signal
+import threading
+
+import pytest
+import torch
+
+from project.engine.checkpoints import AtomicCheckpointIO
+from project.engine.runs import find_last_checkpoint
+from tests.conftest import QUIET, cli, cli_in_process
+
+# 3 epochs of 6 steps; last.ckpt every 4 optimizer steps besides the default writers (epoch ends): 4, 6, 8, 12, ...
+EVERY_4 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
+           "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
+           "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+ARGS = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "1",
+        "--model.warmup", "1", "--model.net.init_args.hidden_sizes", "[32]", *EVERY_4]  # fmt: skip
+
+
+class HeldWriter(AtomicCheckpointIO):
+    """Writes the first half of each file, then waits for ``release`` before the rest: a write caught in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release, self.writing = threading.Event(), threading.Event()
+
+    def _write(self, checkpoint, f) -> None:
+        import io
+
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        data = buffer.getvalue()
+        f.write(data[: len(data) // 2])
+        f.flush()
+        self.writing.set()
+        assert self.release.wait(30), "the test never released the write"
+        f.write(data[len(data) // 2 :])
+
+
+def state(step: int, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    weights = {"net.w": torch.randn(64, 64, generator=generator), "net.b": torch.randn(64, generator=generator)}
+    return {"state_dict": weights, "global_step": step, "epoch": 0, "loops": {"batches": step}}
+
+
+def test_a_file_holds_its_save_and_a_write_in_flight_is_never_picked_by_last(tmp_path):
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")  # shown when the test fails
+    folder = tmp_path / "digits" / "version_0" / "checkpoints"
+    io = HeldWriter()
+    io.release.set()
+    first = state(10, seed)
+    io.save_checkpoint(first, folder / "last.ckpt")
+    io.wait()
+    expected = {k: v.clone() for k, v in first["state_dict"].items()}
+
+    io.release.clear()
+    io.writing.clear()
+    second = state(20, seed + 1)
+    io.save_checkpoint(second, folder / "last.ckpt")  # returns while the file is being written
+    assert io.writing.wait(30)
+    # Another save of the same point (ModelCheckpoint's best-k file) shares the host copy: it neither copies nor
+    # waits for the write in flight (if it did, it would wait here until the writer gives up after 30 s). Dropped
+    # from the top k at once, its removal is queued behind its write.
+    io.save_checkpoint(second, folder / "best.ckpt")
+    io.remove_checkpoint(folder / "best.ckpt")
+    wanted = {k: v.clone() for k, v in second["state_dict"].items()}
+    for tensor in second["state_dict"].values():
+        tensor.mul_(0.5)  # the loop's next step changes the live tensors in place during the write
+    assert (folder / "last.ckpt.tmp").is_file()  # precondition: a write is in flight, half of it on disk
+    found = find_last_checkpoint(tmp_path / "digits")
+    assert found is not None and found[1] == 10  # the previous complete file, never the one being written
+    loaded = torch.load(folder / "last.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+    io.release.set()
+    io.teardown()
+    assert not (folder / "best.ckpt").exists() and not list(folder.glob("*.tmp"))
+    found = find_last_checkpoint(tmp_path / "digits")
+    assert found is not None and found[1] == 20
+    loaded = torch.load(folder / "last.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.equal(loaded[k], v) for k, v in wanted.items())  # the state of the save, not of later steps
+
+
+def final_weights(root) -> tuple[int, dict]:
+    saved = torch.load(root / "digits" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    return saved["global_step"], {k: v for k, v in saved["state_dict"].items() if k.startswith("net.")}
+
+
+def assert_same_weights(root, reference) -> None:
+    (step, got), (ref_step, ref) = final_weights(root), final_weights(reference)
+    assert step == ref_step == 18
+    diffs = {k: (got[k] - v).abs().max().item() for k, v in ref.items()}
+    assert all(torch.equal(got[k], v) for k, v in ref.items()), f"max |dw|: {diffs}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run with slow background writes: fit returns only once its last writes are on disk."""
+    root = tmp_path_factory.mktemp("reference")
+    cli_in_process("fit", *ARGS, "--trainer.plugins", "tests.faults.SlowWriter", "--trainer.plugins.delay", "0.2",
+                   root=root)  # fmt: skip
+    assert not list(root.rglob("*.tmp"))
+    assert final_weights(root)[0] == 18  # the end of fit waited for the last save
+    return root
+
+
+def test_a_crash_with_a_write_in_flight_leaves_it_complete_and_resumes_exactly(reference, tmp_path):
+    # Writes take 1 s and steps milliseconds: step 8's save is still being written when step 10 raises.
+    slow = ["--trainer.plugins", "tests.faults.SlowWriter", "--trainer.plugins.delay", "1.0"]
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *ARGS, *slow, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=10",
+                       root=tmp_path)  # fmt: skip
+    assert not list(tmp_path.rglob("*.tmp"))
+    saved = torch.load(tmp_path / "digits" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 8  # written to the end although the run raised during it
+    cli_in_process("fit", *ARGS, "--ckpt_path", "last", root=tmp_path)
+    assert_same_weights(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_background_write_resumes_from_the_previous_file_exactly(reference, tmp_path):
+    # The writer dies half-way through step 8's last.ckpt (the loop having gone on): last.ckpt is step 6's.
+    kill = ["--trainer.plugins", "tests.faults.KillDuringWrite", "--trainer.plugins.step", "8"]
+    proc = cli("fit", *ARGS, *kill, "--run.root", "runs", cwd=tmp_path, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    folder = tmp_path / "runs" / "digits" / "version_0" / "checkpoints"
+    assert (folder / "last.ckpt.tmp").stat().st_size > 0  # precondition: killed in the middle of the write
+    proc = cli("fit", *ARGS, "--run.root", "runs", "--ckpt_path", "last", cwd=tmp_path)
+    assert "(global step 6)" in proc.stdout + proc.stderr
+    assert_same_weights(tmp_path / "runs", reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_preemption_and_ctrl_c_with_a_write_in_flight_leave_a_complete_last_checkpoint(sig, tmp_path):
+    # Writes take 1 s, steps milliseconds: step 8's save (every 4 steps) is being written when the signal comes at
+    # step 9; the run stops after that batch and saves last.ckpt once the write in flight is done.
+    slow = ["--trainer.plugins", "tests.faults.SlowWriter", "--trainer.plugins.delay", "1.0"]
+    fault = ["--trainer.callbacks+=tests.faults.KillAt", "--trainer.callbacks.step=9", f"--trainer.callbacks.sig={sig}"]
+    proc = cli("fit", *ARGS, *slow, *fault, "--run.root", "runs", cwd=tmp_path, check=False)
+    assert proc.returncode == 128 + sig, proc.stderr[-2000:]
+    folder = tmp_path / "runs" / "digits" / "version_0" / "checkpoints"
+    assert not list(folder.glob("*.tmp"))
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] in (9, 10)  # the batch in flight ends
