@@ -4,6 +4,7 @@ resume after SIGKILL (epoch end and mid-epoch) against an uninterrupted run, res
 import pytest
 import torch
 
+from project.engine.best import best_checkpoint
 from project.engine.export import export
 from project.engine.runs import read_global_step
 from project.engine.sharded import full_state_dict, read_meta
@@ -50,6 +51,9 @@ def test_sharded_checkpoints_are_complete_folders_one_shard_per_rank(reference):
     for folder in folders:
         assert {p.name for p in folder.iterdir()} == SHARD_FILES, folder
     assert read_global_step(run / "checkpoints" / "last.ckpt") == 8
+    # `--ckpt_path best` reads the score of each folder from its meta.pt: the highest acc in the names
+    best = max((f for f in folders if f.name.startswith("best-")), key=lambda f: float(f.stem.rsplit("acc", 1)[1]))
+    assert best_checkpoint(run)[0].path == best
     # each rank wrote half of every weight matrix: the shard files are about the same size
     sizes = [(run / "checkpoints" / "last.ckpt" / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
     assert abs(sizes[0] - sizes[1]) < 0.1 * max(sizes), sizes
