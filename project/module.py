@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -108,10 +109,22 @@ class Classifier(L.LightningModule):
         if self.compile_net:
             self.net.compile()
 
+    def configure_model(self) -> None:
+        # Sharded training (configs/fsdp.yaml): each layer's weights, gradients and optimizer state are split over
+        # the ranks and gathered only for its own forward and backward (FSDP2). Under DDP or on one device there is
+        # no device mesh and nothing to do.
+        if self.device_mesh is None:
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net.modules():
+            if layer is not self.net and any(True for _ in layer.parameters(recurse=False)):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
-    def _shared_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
+    def _shared_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch  # (B, ...), (B,)
         logits = self(x)  # (B, num_classes)
         loss = F.cross_entropy(logits, y)
@@ -121,7 +134,7 @@ class Classifier(L.LightningModule):
         self.metrics[f"{stage}_loss"].update(loss.detach(), weight=len(y))
         if stage == "train":
             self.log("train/loss", loss, prog_bar=True)  # this rank's loss at each step: the training curve
-        return loss
+        return loss, logits
 
     def _log_epoch_metrics(self, stage: str) -> None:
         if stage != "train" and self.evaluates_on_rank_zero:
@@ -178,7 +191,7 @@ class Classifier(L.LightningModule):
         self.metrics["train_loss"].reset()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._shared_step(batch, "train")
+        return self._shared_step(batch, "train")[0]
 
     def _waits(self) -> bool:
         """Rank-zero mode, other ranks: their loader holds one placeholder sample, only so that Lightning runs
@@ -188,11 +201,12 @@ class Classifier(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         if self._waits():
             return
-        self._shared_step(batch, "val")
+        _, logits = self._shared_step(batch, "val")
         if batch_idx == 0 and self.trainer.is_global_zero and self.sample_images:
+            # from this step's logits: under sharding, a forward on rank 0 alone would wait for the other ranks
             x, y = batch
             n = self.sample_images
-            self._samples = (x[:n].cpu(), y[:n].cpu(), self(x[:n]).argmax(-1).cpu())
+            self._samples = (x[:n].cpu(), y[:n].cpu(), logits[:n].argmax(-1).cpu())
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         if not self._waits():

@@ -16,7 +16,10 @@ from project.engine.export import FORMATS, export
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ckpt", help="a Lightning checkpoint, e.g. runs/digits/version_0/checkpoints/last.ckpt")
+    parser.add_argument(
+        "ckpt",
+        help="a Lightning checkpoint (a file, or a sharded folder), e.g. runs/digits/version_0/checkpoints/last.ckpt",
+    )
     parser.add_argument("--format", default="all", choices=[*FORMATS, "all"], help="what to write (default: all)")
     parser.add_argument("--out", required=True, help="the folder to write into; existing files are never replaced")
     parser.add_argument(

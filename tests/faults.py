@@ -5,12 +5,13 @@ import io
 import os
 import signal
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import lightning as L
 import torch
 
 from project.engine.checkpoints import AtomicCheckpointIO, wait_for_writes
+from project.engine.sharded import ShardedStrategy
 
 
 class KillAt(L.Callback):
@@ -155,6 +156,94 @@ class CrashAt(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
         if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             raise RuntimeError("injected crash")
+
+
+class KillBeforePublish(ShardedStrategy):
+    """The sharded strategy, whose save at global step ``step`` is SIGKILLed on every rank after all shards are
+    written, before the folder gets its name: the worst moment for an atomic save.
+
+    Select it with ``--trainer.strategy.class_path tests.faults.KillBeforePublish --trainer.strategy.init_args.step N``.
+    """
+
+    def __init__(self, step: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.step = step
+
+    def _publish(self, tmp: Path, path: Path) -> None:
+        if self.lightning_module.trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super()._publish(tmp, path)
+
+
+class SaveFullWeights(L.Callback):
+    """Test oracle: rank 0 saves the net's full weights, gathered by FSDP itself (not read from a checkpoint), to
+    ``path`` when training starts (``when="start"``: right after a resume restored them) or ends."""
+
+    def __init__(self, path: str, when: str = "end") -> None:
+        self.path, self.when = path, when
+
+    def _save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(pl_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if trainer.is_global_zero:
+            torch.save({k: v for k, v in full.items() if k.startswith("net.")}, self.path)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.when == "start":
+            self._save(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.when == "end":
+            self._save(trainer, pl_module)
+
+
+class MemoryProbe(L.Callback):
+    """Measurement: each rank writes ``out_dir/rank{R}.json`` at the end of training: the bytes of parameters and
+    optimizer state it holds (its shards under sharding), its peak resident memory, its peak CUDA memory, and the
+    training steps per second after the first (warm-up) step."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.started: float | None = None
+        self.steps = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_: object) -> None:
+        import time
+
+        if self.started is None:
+            self.started = time.perf_counter()
+        else:
+            self.steps += 1
+        self.elapsed = time.perf_counter() - self.started
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+        import resource
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+
+        params = sum(local(p).numel() * p.element_size() for p in pl_module.parameters())
+        optim = sum(
+            local(v).numel() * v.element_size()
+            for opt in trainer.optimizers
+            for state in opt.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+        cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+        record = {
+            "rank": trainer.global_rank,
+            "strategy": type(trainer.strategy).__name__,
+            "param_mb": params / 2**20,
+            "optimizer_mb": optim / 2**20,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_cuda_mb": cuda / 2**20,
+            "steps_per_s": self.steps / self.elapsed if self.steps else 0.0,
+        }
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 class SlowWriter(AtomicCheckpointIO):

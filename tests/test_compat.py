@@ -9,7 +9,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from project.engine.compat import cli_section, request_stop_at_batch_end, set_csv_columns, state_key_arguments
+from project.engine.compat import (
+    cli_section,
+    request_stop_at_batch_end,
+    set_csv_columns,
+    set_nested,
+    shard_over_all_ranks,
+    state_key_arguments,
+)
 from project.module import Classifier
 from project.nets import MLP
 
@@ -52,6 +59,23 @@ def test_csv_experiment_writer_keeps_the_columns_it_is_given(tmp_path):
     writer.log_metrics({"a": 2.0}, step=1)
     writer.save()
     assert (tmp_path / "metrics.csv").read_text().splitlines() == ["a,step", "1.0,0", "2.0,1"]
+
+
+def test_model_parallel_strategy_data_parallel_size_becomes_every_rank():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size="auto", tensor_parallel_size=2)
+    assert strategy._data_parallel_size == "auto" and strategy._tensor_parallel_size == 2
+    strategy.parallel_devices = [None] * 8  # 8 processes on each of 2 nodes
+    strategy.num_nodes = 2
+    shard_over_all_ranks(strategy)
+    assert strategy._data_parallel_size == 8
+
+
+def test_dcp_traverse_set_element_sets_a_nested_value():
+    state = {"optimizer_0": {"param_groups": [{"lr": 0.0}]}}
+    set_nested(state, ("optimizer_0", "param_groups", 0, "lr"), 0.5)
+    assert state == {"optimizer_0": {"param_groups": [{"lr": 0.5}]}}
 
 
 def test_model_checkpoint_state_key_holds_its_monitor_and_mode():

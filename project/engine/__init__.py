@@ -11,6 +11,10 @@ What it guarantees, and what user code does to get each guarantee:
 - **Same run in every logger** (``runs``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
   each step once. Nothing to do; an unknown logger class is named at start.
 - **Checkpoints that survive a kill** (``checkpoints``): written by atomic rename, loaded with ``weights_only``.
+- **Sharded training** (``sharded``): ``configs/fsdp.yaml`` writes checkpoints as DCP folders, one shard per rank,
+  atomically and loaded without pickle; exact resume as above, resharding to any number of ranks, export to one
+  file. User code: shard in ``configure_model`` when ``self.device_mesh`` is set, and let every rank run every
+  forward (no forward on rank 0 alone).
 - **Preemption, Ctrl-C, NaN** (``signals``, ``guards``): SIGTERM/SIGUSR1/Ctrl-C save ``last.ckpt`` and exit non-zero
   on every rank; NaN/inf gradients stop before the weights change.
 - **Exact validation under DDP** (``loaders``): each validation sample on exactly one rank; log torchmetrics

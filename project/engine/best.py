@@ -16,6 +16,7 @@ from pathlib import Path
 
 from project.engine.checkpoints import CheckpointLoadError, load_checkpoint_file
 from project.engine.compat import state_key_arguments
+from project.engine.sharded import is_sharded_checkpoint, read_meta
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,8 @@ class Scored:
 def scored_checkpoint(path: Path) -> Scored | None:
     """The monitored score ``path`` was saved with, if a ``ModelCheckpoint`` saved it as one of its top k."""
     try:
-        checkpoint = load_checkpoint_file(path, mmap=True)  # the structure only; the weights stay on disk
+        # the structure only; the weights stay on disk (a sharded folder: its meta.pt)
+        checkpoint = read_meta(path) if path.is_dir() else load_checkpoint_file(path, mmap=True)
     except CheckpointLoadError:
         return None
     for key, state in (checkpoint.get("callbacks") or {}).items():
@@ -45,6 +47,10 @@ def scored_checkpoint(path: Path) -> Scored | None:
     return None
 
 
+def _complete(path: Path) -> bool:
+    return path.is_file() or is_sharded_checkpoint(path)
+
+
 def best_checkpoint(run_dir: Path) -> tuple[Scored, int] | None:
     """The best top-k checkpoint in ``run_dir/checkpoints`` and how many were ranked; ``None`` if none was saved by
     a ``ModelCheckpoint`` with a ``monitor``.
@@ -52,7 +58,7 @@ def best_checkpoint(run_dir: Path) -> tuple[Scored, int] | None:
     Files are ranked by the monitor (and mode) of the newest of them, should a resumed run have changed it; on a
     tie the older file wins, as in Lightning's own choice.
     """
-    scored = [s for p in (run_dir / "checkpoints").glob("*.ckpt") if p.is_file() and (s := scored_checkpoint(p))]
+    scored = [s for p in (run_dir / "checkpoints").glob("*.ckpt") if _complete(p) and (s := scored_checkpoint(p))]
     if not scored:
         return None
     scored.sort(key=lambda s: s.mtime)

@@ -27,6 +27,8 @@ from project.engine.rank_failures import RankFailures
 from project.engine.resume import ExactResume
 from project.engine.run_folder import RunFolder
 from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point_loggers_at
+from project.engine.sharded import ShardedStrategy as Sharded
+from project.engine.sharded import check_same_network
 from project.engine.signals import Preemption
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -57,6 +59,13 @@ class CLI(LightningCLI):
             ckpt_path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
             if ckpt_path is not None and Path(ckpt_path).is_file():
                 check_fits(ckpt_path, self.model)
+            if ckpt_path is not None and Path(ckpt_path).is_dir() and isinstance(self.trainer.strategy, Sharded):
+                check_same_network(Path(ckpt_path), self.model)  # before any rank starts or anything is written
+            elif ckpt_path is not None and Path(ckpt_path).is_dir():
+                raise ValueError(
+                    f"{ckpt_path} is a sharded checkpoint: resume it with --config configs/fsdp.yaml (on any number "
+                    "of devices), or make a single file of it with scripts/export.py"
+                )
             if self.run_plan is not None and rank_zero_only.rank == 0:
                 keep_csv_history(self.run_plan, self.trainer.loggers)
         except ValueError as error:  # e.g. "lr (-0.1) must be > 0" from a constructor

@@ -6,6 +6,10 @@ on a Lightning version where one changed.
 - ``LightningCLI._get``: reads the trainer section of the parsed config (``project.engine.cli``).
 - CSV writer's ``metrics_keys`` (``lightning.fabric.loggers.csv_logs._ExperimentWriter``): the columns a continued
   ``metrics.csv`` already has (``project.engine.runs.keep_csv_history``).
+- ``ModelParallelStrategy._data_parallel_size`` / ``_tensor_parallel_size``: the mesh sizes its
+  ``setup_environment`` reads; ``auto`` data parallelism is set to every rank (``project.engine.sharded``).
+- torch's ``torch.distributed.checkpoint._traverse.set_element``: how DCP's own load planner puts a non-tensor value
+  into a nested state dict; the engine's planner does the same, reading the value with ``weights_only=True``.
 - ``Callback._generate_state_key``'s format, ``ClassName{'monitor': ..., 'mode': ...}``: the key a checkpoint files
   each callback's state under, read back for a ``ModelCheckpoint``'s ``mode`` (``project.engine.best``).
 """
@@ -28,6 +32,21 @@ def cli_section(cli: Any, config: Any, key: str) -> Any:
 
 def set_csv_columns(writer: Any, columns: list[str]) -> None:
     writer.metrics_keys = list(columns)
+
+
+def shard_over_all_ranks(strategy: Any) -> None:
+    """``data_parallel_size="auto"`` of a ``ModelParallelStrategy``: every rank divided by the tensor-parallel size
+    (Lightning's ``auto`` is one group per node). Call before ``setup_environment``."""
+    if strategy._data_parallel_size == "auto":
+        strategy._data_parallel_size = (
+            strategy.num_nodes * strategy.num_processes // int(strategy._tensor_parallel_size)
+        )
+
+
+def set_nested(state_dict: dict[str, Any], path: Any, value: Any) -> None:
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(state_dict, path, value)
 
 
 def state_key_arguments(state_key: str) -> dict[str, Any]:

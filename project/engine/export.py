@@ -3,6 +3,8 @@
 The network is rebuilt from the run's ``config.yaml`` (``model.init_args.net``: ``class_path`` and ``init_args``,
 since the module does not keep the net in its hyperparameters) and the checkpoint's ``net.`` weights, in eval mode.
 
+A sharded checkpoint (a folder, from ``configs/fsdp.yaml``) is consolidated on this one process first.
+
 - ``safetensors``: weights, with ``class_path``/``init_args`` in the metadata; ``weights.load_net`` reads it back.
 - ``onnx``: torch's exporter (``torch.onnx.export``, dynamo), input ``input`` and output ``output``, batch dynamic.
 - ``pt2``: a ``torch.export`` program (``torch.export.save``; ``torch.export.load(f).module()`` runs it), batch
@@ -24,6 +26,7 @@ import yaml
 from torch import nn
 
 from project.engine.checkpoints import load_checkpoint_file
+from project.engine.sharded import full_state_dict
 from project.engine.weights import instantiate, save_net
 
 FORMATS = ("safetensors", "onnx", "pt2", "pth")
@@ -61,8 +64,11 @@ def _net_config(config: dict[str, Any], prefix: str) -> dict[str, Any] | None:
 
 
 def _net_weights(ckpt_path: str | Path, prefix: str) -> dict[str, torch.Tensor]:
-    ckpt = load_checkpoint_file(ckpt_path)
-    weights = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    if Path(ckpt_path).is_dir():  # a sharded checkpoint: its shards consolidated here, on one process
+        state_dict = full_state_dict(ckpt_path)
+    else:
+        state_dict = load_checkpoint_file(ckpt_path)["state_dict"]
+    weights = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     if not weights:
         raise ValueError(f"{ckpt_path} holds no weights under '{prefix}'; is the network attribute named otherwise?")
     return weights

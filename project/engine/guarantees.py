@@ -5,6 +5,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import CombinedLoader
 
 from project.engine.loaders import ResumableDataLoader, ResumableSampler
@@ -79,6 +80,13 @@ class Guarantees(Callback):
             out.append("overfit_batches: a mid-epoch resume loads the consumed batches again to skip them")
         if not torch.are_deterministic_algorithms_enabled() and trainer.strategy.root_device.type == "cuda":
             out.append("deterministic is off: nondeterministic CUDA kernels, so a resume is close, not bitwise equal")
+        elif torch.is_deterministic_algorithms_warn_only_enabled() and trainer.strategy.root_device.type == "cuda":
+            out.append(
+                "deterministic: warn: ops with no deterministic CUDA kernel (each named once in a warning) run "
+                "nondeterministically, so a resume through them is close, not bitwise equal"
+            )
+        if isinstance(trainer.strategy, ModelParallelStrategy) and trainer.world_size > 1:
+            out.append("sharded: each rank evaluates a padded share, so a few validation samples count twice")
         out += [
             f"logger {name}: unknown to the engine, a resume starts a new run in it" for name in self.unknown_loggers
         ]

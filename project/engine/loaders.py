@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 
@@ -124,7 +125,10 @@ def make_loader(
             f"the evaluation/predict set has {size} sample(s), fewer than the {world} ranks, and each rank needs "
             f"one. Run it on {max(size, 1)} device(s) or fewer (--trainer.devices), or on more samples."
         )
-    sampler = ResumableSampler(dataset, world, rank, shuffle=train, seed=seed, pad=train)
+    # Under sharding every forward gathers each layer's weights from all ranks, so every rank must run as many
+    # evaluation batches as the others: the set is padded like the training set (a few samples count twice).
+    sharded = trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy)
+    sampler = ResumableSampler(dataset, world, rank, shuffle=train, seed=seed, pad=train or sharded)
     batch_size = kwargs.get("batch_size", 1)
     if train and batch_size is not None and batch_size > sampler.num_samples:
         share = f"{sampler.num_samples} samples" + (f" per rank on {world} ranks" if world > 1 else "")

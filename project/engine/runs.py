@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from project.engine.best import best_checkpoint
 from project.engine.checkpoints import CheckpointLoadError, load_checkpoint_file
 from project.engine.compat import set_csv_columns
+from project.engine.sharded import is_checkpoint_folder, is_sharded_checkpoint, read_meta
 
 RUN_RECORD = "run.json"  # the run's logger ids, for a resume to continue the same MLflow/W&B run
 
@@ -84,9 +85,10 @@ def family_dir(config: Namespace) -> Path:
 
 
 def read_global_step(path: Path) -> int:
-    """Opens a checkpoint without unpickling code or reading its tensors; raises ``ResumeError`` if unreadable."""
+    """Opens a checkpoint (a file, or a sharded folder's ``meta.pt``) without unpickling code or reading its
+    tensors; raises ``ResumeError`` if unreadable."""
     try:
-        return int(load_checkpoint_file(path, mmap=True)["global_step"])
+        return int((read_meta(path) if path.is_dir() else load_checkpoint_file(path, mmap=True))["global_step"])
     except CheckpointLoadError as error:
         raise ResumeError(str(error)) from None
     except (KeyError, TypeError, ValueError) as error:
@@ -102,7 +104,7 @@ def _loads(path: Path) -> bool:
 
 
 def _checkpoints_newest_first(folder: Path, *patterns: str) -> list[Path]:
-    files = [p for pattern in patterns for p in folder.glob(pattern) if p.is_file()]
+    files = [p for pattern in patterns for p in folder.glob(pattern) if p.is_file() or is_sharded_checkpoint(p)]
     return sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
@@ -192,7 +194,7 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
     ckpt_path = config.get("ckpt_path")
     if ckpt_path is None or ckpt_path in ("hpc", "registry"):
         return RunPlan(next_version_dir(family))
-    if ckpt_path == "best" or Path(ckpt_path).is_dir():
+    if ckpt_path == "best" or (Path(ckpt_path).is_dir() and not is_checkpoint_folder(Path(ckpt_path))):
         path = find_best_checkpoint(ckpt_path, family)
         config["ckpt_path"] = str(path)
         # a new version even for fit: starting from a run's best is a branch, the run itself is never written into
@@ -215,7 +217,7 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
         continues = True
     else:
         path = Path(ckpt_path)
-        if not path.is_file():
+        if not (path.is_file() or is_checkpoint_folder(path)):
             raise ResumeError(
                 f"--ckpt_path {ckpt_path}: no such file or run folder. Give an existing .ckpt, a run folder "
                 f"({family}/version_N), 'best' or 'last'."

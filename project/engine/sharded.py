@@ -1,0 +1,262 @@
+"""Sharded training (FSDP2) and its checkpoints: ``--config configs/fsdp.yaml``.
+
+``ShardedStrategy`` is Lightning's ``ModelParallelStrategy`` (FSDP2's ``fully_shard``, applied in the module's
+``configure_model``) with the engine's checkpoint guarantees for the folders it writes (torch's distributed
+checkpoint, DCP: each rank writes its own shard, no rank gathers the whole model):
+
+- **Atomic**: the shards go into ``<name>.tmp/``; once every rank has written, rank 0 renames it to ``<name>``. A
+  folder without ``.metadata`` (DCP's index, written last) and ``meta.pt`` (Lightning's loops, callbacks, RNG
+  states) is never resumed from: ``--ckpt_path last`` passes over it and an explicit path is refused in one line.
+- **No code in a checkpoint**: DCP reads its index with ``pickle`` and non-tensor values with
+  ``torch.load(weights_only=False)``; here the index is read by an unpickler that knows only DCP's metadata classes,
+  and everything else with ``weights_only=True``.
+- **Same network**: each saved tensor's full shape is compared with the configured model's before anything loads.
+- **Another number of ranks**: DCP reshards the weights and optimizer state exactly; one line says that the random
+  draws and the order of the rest of the interrupted epoch then differ from the original run.
+
+``full_state_dict`` consolidates a folder into one state dict on one process (for export), without a process group.
+"""
+
+import io
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from project.engine.checkpoints import CheckpointLoadError
+from project.engine.compat import set_nested, shard_over_all_ranks
+
+META = "meta.pt"  # Lightning's name for the non-tensor part (loops, callbacks, hyperparameters)
+INDEX = ".metadata"  # DCP's index of the shards, written by the coordinator once every rank has written
+WORLD_SIZE = "sharded_world_size"  # key in meta.pt: how many ranks wrote the folder
+
+
+def is_sharded_checkpoint(path: _PATH) -> bool:
+    """A complete sharded checkpoint folder (an interrupted save leaves ``<name>.tmp``, which is never one)."""
+    path = Path(path)
+    return path.is_dir() and (path / META).is_file() and (path / INDEX).is_file()
+
+
+def is_checkpoint_folder(path: _PATH) -> bool:
+    """A sharded checkpoint folder, complete or not (a run folder holds none of these files)."""
+    path = Path(path)
+    return path.is_dir() and ((path / META).exists() or (path / INDEX).exists() or any(path.glob("*.distcp")))
+
+
+def check_complete(path: _PATH) -> None:
+    path = Path(path)
+    missing = [name for name in (META, INDEX) if not (path / name).is_file()]
+    if missing:
+        raise CheckpointLoadError(
+            f"{path} is not a complete sharded checkpoint (no {' or '.join(missing)}: its save was cut short)"
+        )
+
+
+def read_meta(path: _PATH) -> dict[str, Any]:
+    """``meta.pt`` of a complete folder, with ``weights_only=True``; raises ``CheckpointLoadError``."""
+    check_complete(path)
+    try:
+        return torch.load(Path(path) / META, map_location="cpu", weights_only=True)
+    except Exception as error:
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointLoadError(f"{path}/{META} is not readable ({first_line})") from None
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Builds DCP's index classes and the torch/builtin values they hold; any other global is refused."""
+
+    SAFE = {
+        ("torch", "Size"),
+        ("torch", "device"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name (torch.strided)
+        ("pathlib", "PosixPath"),  # where the folder was written
+        ("pathlib", "WindowsPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == dcp_metadata.__name__ or module == "torch.distributed.checkpoint.filesystem":
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
+            return getattr(torch, name)
+        if (module, name) in self.SAFE:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+
+
+def read_index(path: _PATH) -> dcp_metadata.Metadata:
+    check_complete(path)
+    try:
+        with open(Path(path) / INDEX, "rb") as f:
+            return _IndexUnpickler(f).load()
+    except Exception as error:
+        raise CheckpointLoadError(
+            f"{path}/{INDEX} is not a DCP index of tensors ({error}); loading it could run code, so it was not loaded"
+        ) from None
+
+
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        metadata = read_index(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # the default unpickles with weights_only=False
+        set_nested(
+            self.original_state_dict, self.mappings[read_item.dest_index.fqn], torch.load(value, weights_only=True)
+        )
+
+
+def _load(state: dict[str, Any], path: Path, single_process: bool = False) -> None:
+    dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=single_process)
+
+
+def check_same_network(path: Path, model: torch.nn.Module) -> None:
+    """Raises ``CheckpointLoadError`` naming each weight whose full shape differs or that only one side has."""
+    saved = {
+        key.removeprefix("state_dict."): tuple(meta.size)
+        for key, meta in read_index(path).state_dict_metadata.items()
+        if key.startswith("state_dict.") and isinstance(meta, dcp_metadata.TensorStorageMetadata)
+    }
+    # a sharded weight (DTensor) has its full shape, so this holds before and after fully_shard
+    here = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    problems = [
+        f"{k} is {list(saved[k])} in the checkpoint, {list(v)} here"
+        for k, v in here.items()
+        if k in saved and saved[k] != v
+    ]
+    problems += [f"{k} is missing from the checkpoint" for k in sorted(here.keys() - saved.keys())]
+    problems += [f"{k} is in the checkpoint only" for k in sorted(saved.keys() - here.keys())]
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise CheckpointLoadError(
+            f"{path} holds a different network from the one configured: {shown}. Build the network the checkpoint "
+            f"was saved from: add --config {path.parent.parent / 'config.yaml'}"
+        )
+
+
+class ShardedStrategy(ModelParallelStrategy):
+    """FSDP2 over all ranks, with atomic, code-free sharded checkpoints (see the module docstring).
+
+    Args:
+        data_parallel_size: Ranks that hold different data. ``auto``: all ranks divided by ``tensor_parallel_size``.
+        tensor_parallel_size: Ranks that split each layer's matmuls (1: sharded data parallelism only).
+        process_group_backend: ``nccl`` on GPUs and ``gloo`` on CPUs when ``None``.
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int = 1,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend)
+
+    def setup_environment(self) -> None:
+        shard_over_all_ranks(self)  # Lightning's auto is one data-parallel group per node; here every rank shards
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        if getattr(self.lightning_module, "evaluates_on_rank_zero", False):  # see project.engine.loaders
+            raise ValueError(
+                "--model.validation rank_zero cannot run sharded: every forward needs every rank. "
+                "Use --model.validation distributed"
+            )
+        super().setup(trainer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        tmp = path.with_name(f"{path.name}.tmp")
+        if self.global_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save cut short earlier
+        self.barrier()
+        checkpoint[WORLD_SIZE] = self.world_size
+        super().save_checkpoint(checkpoint, tmp)  # each rank its shard, then rank 0 writes meta.pt
+        self._publish(tmp, path)
+
+    def _publish(self, tmp: Path, path: Path) -> None:
+        """Renames the written folder to its name once every rank is done (tests.faults.KillBeforePublish)."""
+        self.barrier()  # rank 0 has written meta.pt, every rank its shard
+        if self.global_rank == 0:
+            old = path.with_name(f"{path.name}.old")
+            if path.is_dir():  # a folder cannot be renamed over one that is not empty
+                os.replace(path, old)
+            elif path.exists():
+                path.unlink()
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        self.barrier()
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.global_rank == 0:
+            shutil.rmtree(filepath, ignore_errors=True) if Path(filepath).is_dir() else Path(filepath).unlink(True)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.is_dir():
+            raise CheckpointLoadError(
+                f"{path} is a single-file checkpoint; the sharded strategy resumes from sharded folders only. "
+                "Resume it without --config configs/fsdp.yaml"
+            )
+        assert self.model is not None and self.lightning_module is not None
+        meta = read_meta(path)
+        check_same_network(path, self.model)
+        model_state = get_model_state_dict(self.model)
+        _load({"state_dict": model_state}, path)
+        set_model_state_dict(
+            self.model, model_state, options=StateDictOptions(strict=self.lightning_module.strict_loading)
+        )
+        for i, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{i}"
+            state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            _load(state, path)
+            set_optimizer_state_dict(self.model, optimizer, state[key], options=StateDictOptions(cpu_offload=True))
+        saved_ranks = meta.pop(WORLD_SIZE, self.world_size)
+        if saved_ranks != self.world_size:
+            rank_zero_info(
+                f"Resharded {path.name} from {saved_ranks} ranks to {self.world_size}: weights and optimizer state "
+                "are exact; random draws (dropout) and the data order of the rest of the epoch differ from the "
+                "original run"
+            )
+        return meta
+
+
+def full_state_dict(path: _PATH, prefix: str = "state_dict.") -> dict[str, torch.Tensor]:
+    """The full tensors under ``prefix`` (``state_dict.``: the module's weights; ``optimizer_0.``: its optimizer
+    state), consolidated from every rank's shard on this one process."""
+    path = Path(path)
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in read_index(path).state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, dcp_metadata.TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        _load(state, path, single_process=True)
+    return {key.removeprefix(prefix): value for key, value in state.items()}

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, as one script for a GPU machine: ~6 min expected on one H200, 11 min at most (each step
+# has a time limit; one past it is killed and reported):
+#
+#   scripts/gpu_check.sh [--cpu] [OUT_DIR]        (default OUT_DIR: gpu_check_out; run from the project folder)
+#
+# 1. sharded (configs/fsdp.yaml over gpu.yaml): a fit, the same fit SIGKILLed mid-epoch and resumed; the final
+#    weights and optimizer state must be bit-equal (deterministic: warn keeps every kernel the MLP uses exact)
+# 2. throughput and memory per rank, DDP vs sharded, on an MLP of ~200M parameters (800 MB, 2.4 GB with AdamW)
+# 3. each of MLP, CNN and tests.gpu_nets.MixedOpsNet (conv, embedding, interpolation, SDPA attention) fits without
+#    an error under gpu.yaml, gpu.yaml + ddp.yaml and gpu.yaml + fsdp.yaml
+# Uses min(2, #GPUs) devices. Every step runs even if an earlier one failed; the summary at the end lists them, the
+# logs are in OUT_DIR, and the exit code is the number of failed steps. --cpu runs the same steps on 2 CPU processes
+# with small sizes and without compile/workers (to check the script itself on a machine without a GPU; there the
+# limits are not applied: 2 shared CPU cores took 12 min).
+# PYTHON (default python) picks the interpreter.
+set -uo pipefail
+PY=${PYTHON:-python}
+CPU=0
+if [[ "${1:-}" == "--cpu" ]]; then CPU=1; shift; fi
+OUT=$(realpath -m "${1:-gpu_check_out}")
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
+
+QUIET=(--trainer.enable_progress_bar false --trainer.enable_model_summary false)
+if ((CPU)); then
+  DEVICES=2
+  GPU=(--config "$REPO/configs/gpu.yaml" --trainer.accelerator cpu --model.compile false --data.num_workers 0
+       --data.pin_memory false --data.persistent_workers false)
+  BIG=(--model.net.init_args.hidden_sizes "[1024,1024,1024]")
+  STEPS=6
+else
+  NGPU=$(nvidia-smi -L | wc -l)
+  DEVICES=$((NGPU < 2 ? NGPU : 2))
+  GPU=(--config "$REPO/configs/gpu.yaml")
+  BIG=(--model.net.init_args.hidden_sizes "[8192,8192,8192,8192]")
+  STEPS=40
+fi
+FSDP=(--config "$REPO/configs/fsdp.yaml" --trainer.devices "$DEVICES")
+DDP=(--config "$REPO/configs/ddp.yaml" --trainer.devices "$DEVICES")
+declare -a SUMMARY=()
+FAILED=0
+
+step() {  # step NAME TIMEOUT_S CMD...: runs CMD (a shell function too) with its output in OUT/NAME.log, records
+  local name=$1 limit=$(( CPU ? 3600 : $2 )) start=$SECONDS rc  # PASS or FAIL; past TIMEOUT_S its whole process group is killed
+  shift 2
+  set -m  # the step gets a process group of its own, for the watchdog to kill with every process it started
+  "$@" >"$OUT/$name.log" 2>&1 &
+  local pid=$!
+  set +m
+  (sleep "$limit" && echo "timed out after $limit s" >>"$OUT/$name.log" && kill -KILL -- "-$pid") 2>/dev/null &
+  local watchdog=$!
+  wait "$pid"
+  rc=$?
+  kill "$watchdog" 2>/dev/null
+  if ((rc == 0)); then
+    SUMMARY+=("PASS  $name ($((SECONDS - start)) s)")
+  else
+    SUMMARY+=("FAIL  $name ($((SECONDS - start)) s, exit $rc): see $OUT/$name.log")
+    FAILED=$((FAILED + 1))
+  fi
+}
+
+fit() {  # fit RUN_ROOT ARGS...
+  local root=$1
+  shift
+  "$PY" -m project fit --run.root "$root" "${QUIET[@]}" "$@"
+}
+
+# 1. sharded fit, kill, exact resume: 2 epochs of 8 steps, last.ckpt every 3 steps, killed at step 11 (resumes
+#    from step 9, mid-epoch), compared with the uninterrupted run
+EXACT=("${GPU[@]}" "${FSDP[@]}" --trainer.max_epochs 2 --trainer.limit_train_batches 8 --trainer.limit_val_batches 2
+       --model.warmup 1 --trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint
+       --trainer.callbacks.every_n_train_steps=3 --trainer.callbacks.save_top_k=0 --trainer.callbacks.save_last=true
+       --trainer.callbacks.enable_version_counter=false)
+exact_resume() {
+  fit "$OUT/exact/reference" "${EXACT[@]}" || return 1
+  fit "$OUT/exact/resumed" "${EXACT[@]}" --trainer.callbacks+=tests.faults.KillAt --trainer.callbacks.step=11
+  echo "killed run exited $? (expected 137 or -9)"
+  fit "$OUT/exact/resumed" "${EXACT[@]}" --ckpt_path last || return 1
+  "$PY" - "$OUT/exact" <<'EOF'
+import sys
+from pathlib import Path
+
+import torch
+
+from project.engine.sharded import full_state_dict
+
+root = Path(sys.argv[1])
+ref, got = (root / f"{k}/digits/version_0/checkpoints/last.ckpt" for k in ("reference", "resumed"))
+bad = 0
+for part in ("state_dict.", "optimizer_0."):
+    a, b = full_state_dict(ref, part), full_state_dict(got, part)
+    for key in a:
+        d = (a[key].double() - b[key].double()).abs().max().item()
+        bad += not torch.equal(a[key], b[key])
+        print(f"{part}{key}: max |d| = {d:.3g}")
+print("exact resume:", "BIT-EQUAL" if bad == 0 else f"{bad} tensors differ")
+sys.exit(bad > 0)
+EOF
+}
+step sharded_exact_resume 180 exact_resume
+
+# 2. throughput and peak memory per rank, DDP vs sharded (a model that fits on one GPU)
+MEM=("${GPU[@]}" "${BIG[@]}" --trainer.max_epochs 1 --trainer.limit_train_batches "$STEPS" --trainer.limit_val_batches 1
+     --trainer.num_sanity_val_steps 0 --trainer.enable_checkpointing false --trainer.logger false
+     --trainer.callbacks+=tests.faults.MemoryProbe)
+step memory_ddp 90 fit "$OUT/mem" "${MEM[@]}" "${DDP[@]}" "--trainer.callbacks.out_dir=$OUT/mem/ddp"
+step memory_sharded 90 fit "$OUT/mem" "${MEM[@]}" "${FSDP[@]}" "--trainer.callbacks.out_dir=$OUT/mem/sharded"
+
+# 3. the example nets and a net of the ops without deterministic kernels, under each overlay; the three nets of an
+#    overlay run at the same time (the GPU has room), each in its own run root
+NETS=(project.nets.MLP project.nets.CNN tests.gpu_nets.MixedOpsNet)
+SHORT=(--trainer.max_epochs 1 --trainer.limit_train_batches 10 --trainer.limit_val_batches 2)
+overlay() {  # overlay NAME ARGS...: the three nets at once; fails if any fails
+  local name=$1 pids=() status=0
+  shift
+  for net in "${NETS[@]}"; do
+    fit "$OUT/overlays/$name/${net##*.}" "${GPU[@]}" "$@" "${SHORT[@]}" --model.net "$net" \
+      >"$OUT/overlay_${name}_${net##*.}.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || { echo "${NETS[$i]} failed: $OUT/overlay_${name}_${NETS[$i]##*.}.log"; status=1; }
+  done
+  return $status
+}
+step overlay_gpu 100 overlay gpu --trainer.devices 1
+step overlay_gpu_ddp 100 overlay gpu_ddp "${DDP[@]}"
+step overlay_gpu_fsdp 100 overlay gpu_fsdp "${FSDP[@]}"
+
+echo
+echo "== gpu_check ($( ((CPU)) && echo "CPU fallback" || nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $DEVICES devices)"
+printf '%s\n' "${SUMMARY[@]}"
+grep -h "^exact resume:" "$OUT/sharded_exact_resume.log" 2>/dev/null
+"$PY" - "$OUT/mem" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+print(f"{'strategy':16} {'rank':>4} {'params MB':>10} {'optim MB':>9} {'peak RSS MB':>12} {'peak CUDA MB':>13} {'steps/s':>8}")
+for kind in ("ddp", "sharded"):
+    for f in sorted((Path(sys.argv[1]) / kind).glob("rank*.json")):
+        r = json.loads(f.read_text())
+        print(f"{r['strategy']:16} {r['rank']:>4} {r['param_mb']:>10.1f} {r['optimizer_mb']:>9.1f} "
+              f"{r['peak_rss_mb']:>12.0f} {r['peak_cuda_mb']:>13.0f} {r['steps_per_s']:>8.2f}")
+EOF
+exit $FAILED

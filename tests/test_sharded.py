@@ -1,0 +1,133 @@
+"""Sharded training (configs/fsdp.yaml, FSDP2 on 2 gloo ranks through the real CLI): atomic DCP folders, exact
+resume after SIGKILL (epoch end and mid-epoch) against an uninterrupted run, resharding to 1 rank, export."""
+
+import pytest
+import torch
+
+from project.engine.best import best_checkpoint
+from project.engine.export import export
+from project.engine.runs import read_global_step
+from project.engine.sharded import full_state_dict, read_meta
+from project.engine.weights import load_net
+from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
+
+pytestmark = pytest.mark.slow
+
+# 2 epochs of 4 steps on 2 ranks; last.ckpt at each epoch end (steps 4, 8) and every 3 steps (3, 6: mid-epoch).
+FSDP = [*QUIET, "--config", str(REPO / "configs" / "fsdp.yaml"), "--trainer.accelerator", "cpu",
+        "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2",
+        "--model.warmup", "1", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.every_n_train_steps=3", "--trainer.callbacks.save_top_k=0",
+        "--trainer.callbacks.save_last=true", "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+TWO = ["--trainer.devices", "2"]
+SHARD_FILES = {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"}
+
+
+def kill_at(step: int) -> list[str]:
+    return ["--trainer.callbacks+=tests.faults.KillAt", f"--trainer.callbacks.step={step}"]
+
+
+def full_weights(path: str, when: str = "end") -> list[str]:
+    return ["--trainer.callbacks+=tests.faults.SaveFullWeights", f"--trainer.callbacks.path={path}",
+            f"--trainer.callbacks.when={when}"]  # fmt: skip
+
+
+def mid_epoch(folder) -> bool:
+    progress = read_meta(folder)["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    return 0 < progress["current"]["completed"] < 4
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    cli("fit", *FSDP, *TWO, *full_weights(str(cwd / "full.pt")), cwd=cwd)
+    return cwd
+
+
+def test_sharded_checkpoints_are_complete_folders_one_shard_per_rank(reference):
+    (run,) = run_dirs(reference)
+    folders = sorted((run / "checkpoints").iterdir())
+    assert [f.name for f in folders if not f.name.endswith(".ckpt")] == []  # no .tmp/.old left behind
+    for folder in folders:
+        assert {p.name for p in folder.iterdir()} == SHARD_FILES, folder
+    assert read_global_step(run / "checkpoints" / "last.ckpt") == 8
+    # `--ckpt_path best` reads the score of each folder from its meta.pt: the highest acc in the names
+    best = max((f for f in folders if f.name.startswith("best-")), key=lambda f: float(f.stem.rsplit("acc", 1)[1]))
+    assert best_checkpoint(run)[0].path == best
+    # each rank wrote half of every weight matrix: the shard files are about the same size
+    sizes = [(run / "checkpoints" / "last.ckpt" / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
+    assert abs(sizes[0] - sizes[1]) < 0.1 * max(sizes), sizes
+
+
+def test_kill_during_save_and_resumes_at_epoch_end_and_mid_epoch_are_exact(reference, tmp_path):
+    proc = cli("fit", *FSDP, *TWO, *kill_at(5), cwd=tmp_path, check=False)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    (run,) = run_dirs(tmp_path)
+    last = run / "checkpoints" / "last.ckpt"
+    assert read_global_step(last) == 4 and not mid_epoch(last)  # epoch 0's end
+    # killed on both ranks after writing the shards of step 8, before the rename: last.ckpt stays step 6
+    publish = [
+        "--trainer.strategy.class_path",
+        "tests.faults.KillBeforePublish",
+        "--trainer.strategy.init_args.step",
+        "8",
+    ]
+    proc = cli("fit", *FSDP, *TWO, *publish, "--ckpt_path", "last", cwd=tmp_path, check=False)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert read_global_step(last) == 6 and mid_epoch(last), "the resume below must start mid-epoch"
+    (unpublished,) = (run / "checkpoints").glob("*.tmp")  # the cut-short save, which `last` must not pick
+    (unpublished / ".metadata").unlink()
+    proc = cli("fit", *FSDP, *TWO, "--ckpt_path", str(unpublished), cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "not a complete sharded checkpoint" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    proc = cli("fit", *FSDP, *TWO, "--ckpt_path", "last", cwd=tmp_path)
+    assert "resuming from" in proc.stdout + proc.stderr and "global step 6" in proc.stdout + proc.stderr
+
+    (ref_run,) = run_dirs(reference)
+    ref_last = ref_run / "checkpoints" / "last.ckpt"
+    assert read_global_step(last) == read_global_step(ref_last) == 8
+    for part in ("state_dict.", "optimizer_0."):  # weights, then AdamW's moments and step counts
+        ref, got = full_state_dict(ref_last, part), full_state_dict(last, part)
+        assert ref.keys() == got.keys()
+        diffs = {k: (got[k].double() - v.double()).abs().max().item() for k, v in ref.items()}
+        assert all(torch.equal(got[k], v) for k, v in ref.items()), f"{part} max |d|: {diffs}"
+    ref_logged, logged = scalars(ref_run), scalars(run)
+    for tag in ("train/loss", "lr", "val/acc", "val/loss"):
+        assert logged[tag] == ref_logged[tag], tag
+
+
+def test_resume_on_one_rank_reshards_exactly_and_says_what_is_not(reference, tmp_path):
+    (ref_run,) = run_dirs(reference)
+    ref_last = ref_run / "checkpoints" / "last.ckpt"
+    restored = tmp_path / "restored.pt"
+    one_rank = [*FSDP, "--trainer.devices", "1", "--trainer.max_epochs", "3", "--ckpt_path", str(ref_last)]
+    proc = cli("fit", *one_rank, *full_weights(str(restored), when="start"), cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert "Resharded last.ckpt from 2 ranks to 1: weights and optimizer state are exact" in out, out[-2000:]
+    oracle = torch.load(reference / "full.pt", weights_only=True)  # FSDP's own all-gather at the end of the 2-rank run
+    got = torch.load(restored, weights_only=True)
+    assert oracle.keys() == got.keys() and all(torch.equal(got[k], v) for k, v in oracle.items())
+    (run,) = run_dirs(tmp_path)
+    assert read_global_step(run / "checkpoints" / "last.ckpt") == 12  # and it trained on
+
+    # another network: one line naming the weight, nothing loaded
+    proc = cli("fit", *one_rank, "--model.net.init_args.hidden_sizes", "[32, 32]", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "holds a different network" in proc.stderr, proc.stderr[-2000:]
+    assert "net.layers.1.weight is [256, 64] in the checkpoint, [32, 64] here" in proc.stderr
+    assert "Traceback" not in proc.stderr and run_dirs(tmp_path) == [run]  # refused before a folder was made
+
+
+def test_export_consolidates_a_sharded_checkpoint(reference, tmp_path):
+    (ref_run,) = run_dirs(reference)
+    paths = export(ref_run / "checkpoints" / "last.ckpt", tmp_path, ("safetensors", "pth"))
+    oracle = torch.load(reference / "full.pt", weights_only=True)
+    net = load_net(paths[0]).eval()
+    pth = torch.load(paths[1], weights_only=True)
+    assert pth.keys() == {k.removeprefix("net.") for k in oracle}
+    seed = 1234
+    x = torch.rand(5, 1, 8, 8, generator=torch.Generator().manual_seed(seed))
+    reference_net = load_net(paths[0]).eval()
+    reference_net.load_state_dict({k.removeprefix("net."): v for k, v in oracle.items()})
+    with torch.no_grad():
+        assert torch.equal(net(x), reference_net(x)), f"seed {seed}"
+    assert all(torch.equal(pth[k.removeprefix("net.")], v) for k, v in oracle.items())
