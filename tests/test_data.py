@@ -104,7 +104,7 @@ def test_a_loader_with_another_sampler_resumes_by_dropping_the_consumed_batches(
 def test_an_eval_set_smaller_than_the_ranks_is_refused_alike_on_every_rank():
     # Lightning would stop the rank without a batch alone (a traceback) and the others would fail in a collective.
     def loader(n: int, world: int, rank: int):
-        trainer = SimpleNamespace(world_size=world, global_rank=rank, lightning_module=None)
+        trainer = SimpleNamespace(world_size=world, global_rank=rank, lightning_module=None, strategy=None)
         return make_loader(TensorBatchDataset(torch.zeros(n, 1), torch.zeros(n)), trainer, train=False, seed=0)
 
     for rank in range(3):
