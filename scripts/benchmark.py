@@ -176,6 +176,12 @@ def _write_result(out: Path, steps, train_s, train_cpu_s, val_s, ckpt_s, first_s
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# (b) Plain Lightning: scripts/benchmark_lightning.py, in a file of its own so that it reads as what it stands for,
+# the Lightning a user writes without the template. It imports digits_loaders and BenchmarkTimer from here.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # (c) The template's side: the real CLI with one more callback, given as benchmark.BenchmarkTimer. Defined only
 # when the CLI (or (b), scripts/benchmark_lightning.py) imports this file as a module, so that the hand-written side
 # never loads Lightning.
