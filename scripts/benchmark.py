@@ -1,16 +1,18 @@
-"""The template against the blog's hand-written loop: same net, data, batch size, steps and seeds.
+"""The template against the blog's hand-written loop and plain Lightning: same net, data, batch size, steps, seeds.
 
-    python scripts/benchmark.py                                  # the default config, 3 paired runs
+    python scripts/benchmark.py                                  # the default config, 3 rounds
     python scripts/benchmark.py --hidden 1024 --epochs 10 --repeats 5 --profile
 
-Every run is a fresh interpreter in a temporary folder of its own: (a) the blog's loop, written out below in
-plain PyTorch, and (b) ``python -m project fit`` with the default config and all its callbacks, plus
-``BenchmarkTimer`` (timing only). Runs alternate a b, b a, a b, ... and the ratio is taken within each pair, so load
-from other processes on a shared machine hits both sides alike. The timed span is training proper, from
-``on_train_start`` to ``on_train_end`` (validation and checkpoints included), and the same span of the hand-written
-loop; time to the first optimizer step and the total are counted from the launch of the interpreter.
+Every run is a fresh interpreter in a temporary folder of its own: (a) "hand", the blog's loop, written out below
+in plain PyTorch; (b) "lightning", the Lightning a user would write without the template
+(``scripts/benchmark_lightning.py``); (c) "template", ``python -m project fit`` with the default config and all its
+callbacks, plus ``BenchmarkTimer`` (timing only), which times (b) too. Rounds alternate a b c, c b a, a b c, ... and
+the ratios c/a and c/b are taken within each round, so load from other processes on a shared machine hits every
+side alike. The timed span is training proper, from ``on_train_start`` to ``on_train_end`` (validation and
+checkpoints included), and the same span of the hand-written loop; time to the first optimizer step and the total
+are counted from the launch of the interpreter.
 
-Both sides must take the same number of optimizer steps and, as they see the same batches in the same order and
+All sides must take the same number of optimizer steps and, as they see the same batches in the same order and
 draw the same dropout masks, reach the same loss at every step; the script exits 1 otherwise. The last line of its
 output is the summary as JSON.
 """
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-SIDES = ("hand", "template")
+SIDES = ("hand", "lightning", "template")  # (a), (b), (c)
 LOSS_RTOL, LOSS_ATOL = 1e-4, 1e-6
 TARGET_ACC = 0.97
 
@@ -54,10 +56,34 @@ def digits_splits(seed: int, val_fraction: float, test_fraction: float) -> dict[
     return {name: (images[idx], labels[idx]) for name, idx in parts.items()}
 
 
+def digits_loaders(spec: dict[str, Any]) -> tuple[Any, Any]:
+    """The blog's train and validation loaders, shared by (a) and (b): the same batches in the same order."""
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
+
+    class EpochBatchSampler(BatchSampler):
+        """Lightning calls ``set_epoch`` on a loader's sampler: this passes it on to the DistributedSampler inside."""
+
+        def set_epoch(self, epoch: int) -> None:
+            self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+
+    splits = digits_splits(spec["data_seed"], spec["val_fraction"], spec["test_fraction"])
+    train_set, val_set = TensorDataset(*splits["train"]), TensorDataset(*splits["val"])
+    # The blog's DistributedSampler, one replica: the same order as the template's, a pure function of (seed, epoch).
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=spec["data_seed"])
+    # A batch is one indexing op, train_set[list of indices], as in the template. As there too, each loader has a
+    # generator of its own, so that its base seed never draws from the global RNG and dropout draws the same masks.
+    bs = spec["batch_size"]
+    train_batches = EpochBatchSampler(sampler, bs, drop_last=False)
+    train_loader = DataLoader(train_set, sampler=train_batches, batch_size=None, generator=torch.Generator())
+    val_sampler = BatchSampler(SequentialSampler(val_set), bs, drop_last=False)
+    val_loader = DataLoader(val_set, sampler=val_sampler, batch_size=None, generator=torch.Generator())
+    return train_loader, val_loader
+
+
 def hand_written(spec: dict[str, Any], out: Path) -> None:
     import torch
     import torch.nn.functional as F
-    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
@@ -67,18 +93,8 @@ def hand_written(spec: dict[str, Any], out: Path) -> None:
     torch.manual_seed(spec["seed"])
     torch.use_deterministic_algorithms(spec["deterministic"])
     net = MLP(hidden_sizes=spec["hidden_sizes"], dropout=spec["dropout"])
-    splits = digits_splits(spec["data_seed"], spec["val_fraction"], spec["test_fraction"])
-    train_set, val_set = TensorDataset(*splits["train"]), TensorDataset(*splits["val"])
-    # The blog's DistributedSampler, one replica: the same order as the template's, a pure function of (seed, epoch).
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=spec["data_seed"])
-    # A batch is one indexing op, train_set[list of indices], as in the template. As there too, each loader has a
-    # generator of its own, so that its base seed never draws from the global RNG and dropout draws the same masks.
-    bs = spec["batch_size"]
-    train_loader = DataLoader(
-        train_set, sampler=BatchSampler(sampler, bs, drop_last=False), batch_size=None, generator=torch.Generator()
-    )
-    val_sampler = BatchSampler(SequentialSampler(val_set), bs, drop_last=False)
-    val_loader = DataLoader(val_set, sampler=val_sampler, batch_size=None, generator=torch.Generator())
+    train_loader, val_loader = digits_loaders(spec)
+    n_val = len(val_loader.dataset)
     optimizer = torch.optim.AdamW(net.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
     warmup, total = spec["warmup"] * len(train_loader), spec["epochs"] * len(train_loader)
     scheduler = LinearWarmupCosineAnnealingLR(optimizer, warmup, total, spec["lr"] / max(warmup, 1), spec["eta_min"])
@@ -88,7 +104,7 @@ def hand_written(spec: dict[str, Any], out: Path) -> None:
     step, losses, val_acc, val_s, ckpt_s, first_step_at = 0, [], [], 0.0, [], None
     start, start_cpu = time.perf_counter(), time.process_time()
     for epoch in range(spec["epochs"]):
-        sampler.set_epoch(epoch)
+        train_loader.sampler.set_epoch(epoch)
         net.train()
         loss_sum, correct, seen = torch.zeros(()), torch.zeros((), dtype=torch.long), 0
         for x, y in tqdm(train_loader, desc=f"epoch {epoch}"):
@@ -119,8 +135,8 @@ def hand_written(spec: dict[str, Any], out: Path) -> None:
                 logits = net(x)
                 loss_sum += F.cross_entropy(logits, y, reduction="sum")
                 correct += (logits.argmax(-1) == y).sum()
-        acc = (correct / len(val_set)).item()
-        writer.add_scalar("val/loss", (loss_sum / len(val_set)).item(), step)
+        acc = (correct / n_val).item()
+        writer.add_scalar("val/loss", (loss_sum / n_val).item(), step)
         writer.add_scalar("val/acc", acc, step)
         val_acc.append((acc, time.time()))
         val_s += time.perf_counter() - val_start
@@ -160,8 +176,15 @@ def _write_result(out: Path, steps, train_s, train_cpu_s, val_s, ckpt_s, first_s
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# (b) The template's side: the real CLI with one more callback, given as benchmark.BenchmarkTimer. Defined only
-# when the CLI imports this file as a module, so that the hand-written side never loads Lightning.
+# (b) Plain Lightning: scripts/benchmark_lightning.py, in a file of its own so that it reads as what it stands for,
+# the Lightning a user writes without the template. It imports digits_loaders and BenchmarkTimer from here.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (c) The template's side: the real CLI with one more callback, given as benchmark.BenchmarkTimer. Defined only
+# when the CLI (or (b), scripts/benchmark_lightning.py) imports this file as a module, so that the hand-written side
+# never loads Lightning.
 # ---------------------------------------------------------------------------------------------------------------
 
 if __name__ != "__main__":
@@ -229,12 +252,12 @@ if __name__ != "__main__":
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The driver: one spec for both sides, paired runs, checks, table and JSON.
+# The driver: one spec for all sides, interleaved rounds, checks, table and JSON.
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def make_spec(args: argparse.Namespace) -> dict[str, Any]:
-    """What both sides run, from configs/default.yaml over the classes' defaults, with the command line's changes."""
+    """What every side runs, from configs/default.yaml over the classes' defaults, with the command line's changes."""
     import yaml
 
     from project.data import DigitsDataModule
@@ -268,7 +291,7 @@ def make_spec(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"the hand-written side supports model.{key}={value} only, the config has {model[key]}")
     seed = config.get("seed_everything")
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise SystemExit(f"seed_everything must be a fixed integer for both sides to match, not {seed!r}")
+        raise SystemExit(f"seed_everything must be a fixed integer for the sides to match, not {seed!r}")
     hidden_sizes = list(net["hidden_sizes"])
     return {
         "seed": seed,
@@ -304,6 +327,9 @@ def run_side(side: str, spec: dict[str, Any], workdir: Path, args: argparse.Name
     out = workdir / "result.json"
     if side == "hand":
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out), "--spec", json.dumps(spec)]
+    elif side == "lightning":
+        cmd = [sys.executable, str(Path(__file__).resolve().with_name("benchmark_lightning.py")), str(out)]
+        cmd += [json.dumps(spec)]
     else:
         timer = {"class_path": "benchmark.BenchmarkTimer", "init_args": {"out": str(out), "profile": profile}}
         # the config the spec came from: the run's folder is not the project's, where `project` finds it itself
@@ -362,67 +388,93 @@ def side_summary(runs: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
     }
 
 
+def spread(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "pairs": values}
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]], spec: dict[str, Any]) -> dict[str, Any]:
-    pairs = list(zip(runs["hand"], runs["template"], strict=True))
+    rounds = [dict(zip(SIDES, r, strict=True)) for r in zip(*(runs[side] for side in SIDES), strict=True)]
 
-    def ratio(key: str) -> dict[str, Any]:
-        pairs_ = [t[key] / h[key] for h, t in pairs]
-        return {"median": statistics.median(pairs_), "min": min(pairs_), "max": max(pairs_), "pairs": pairs_}
+    def ratio(key: str, base: str) -> dict[str, Any]:  # template / base, within each round
+        return spread([r["template"][key] / r[base][key] for r in rounds])
 
-    loss_diff = max(
-        (max((abs(a - b) - LOSS_RTOL * abs(a) for a, b in zip(h["losses"], t["losses"], strict=False)), default=0.0))
-        for h, t in pairs
-    )
-    max_abs = max(max(abs(a - b) for a, b in zip(h["losses"], t["losses"], strict=False)) for h, t in pairs)
-    same_steps = all(h["steps"] == t["steps"] == len(h["losses"]) == len(t["losses"]) for h, t in pairs)
+    def extra_us_per_step(base: str) -> dict[str, Any]:
+        return spread([1e6 * (r["template"]["train_s"] - r[base]["train_s"]) / r["template"]["steps"] for r in rounds])
+
+    def loss_diffs(side: str) -> tuple[float, float]:
+        """Beyond the tolerance, and absolute: ``side``'s losses against the hand-written loop's, the oracle."""
+        pairs = [(a, b) for r in rounds for a, b in zip(r["hand"]["losses"], r[side]["losses"], strict=False)]
+        beyond = max((abs(a - b) - LOSS_RTOL * abs(a) for a, b in pairs), default=0.0)
+        return beyond, max((abs(a - b) for a, b in pairs), default=0.0)
+
+    same_steps = all(len({n for s in r.values() for n in (s["steps"], len(s["losses"]))}) == 1 for r in rounds)
+    diffs = {side: loss_diffs(side) for side in SIDES[1:]}
     return {
         "spec": spec,
-        "hand": side_summary(runs["hand"], spec["epochs"]),
-        "template": side_summary(runs["template"], spec["epochs"]),
-        "ratio": ratio("train_s"),
-        "cpu_ratio": ratio("train_cpu_s"),
+        **{side: side_summary(runs[side], spec["epochs"]) for side in SIDES},
+        "ratio": ratio("train_s", "hand"),
+        "cpu_ratio": ratio("train_cpu_s", "hand"),
+        "ratio_vs_lightning": ratio("train_s", "lightning"),
+        "cpu_ratio_vs_lightning": ratio("train_cpu_s", "lightning"),
+        "extra_us_per_step": {"vs_hand": extra_us_per_step("hand"), "vs_lightning": extra_us_per_step("lightning")},
         "same_steps": same_steps,
-        "same_threads": all(h["threads"] == t["threads"] for h, t in pairs),
-        "max_loss_abs_diff": max_abs,
-        "same_losses": same_steps and loss_diff <= LOSS_ATOL,
+        "same_threads": all(len({s["threads"] for s in r.values()}) == 1 for r in rounds),
+        "max_loss_abs_diff": max(d[1] for d in diffs.values()),
+        "loss_abs_diff_vs_hand": {side: d[1] for side, d in diffs.items()},
+        "same_losses": same_steps and all(d[0] <= LOSS_ATOL for d in diffs.values()),
     }
 
 
 def print_table(s: dict[str, Any]) -> None:
-    h, t, spec = s["hand"], s["template"], s["spec"]
+    h, b, t, spec = s["hand"], s["lightning"], s["template"], s["spec"]
 
-    def row(label: str, a: float | None, b: float | None, fmt: str = "{:.3f}", ratio: bool = True) -> None:
-        cells = [fmt.format(v) if v is not None else "-" for v in (a, b)]
-        r = f"{b / a:.3f}" if ratio and a and b is not None else ""
-        print(f"{label:<34}{cells[0]:>14}{cells[1]:>14}{r:>12}")
+    def row(label: str, *cells: float | None, fmt: str = "{:.3f}", ratio: bool = True) -> None:
+        shown = [fmt.format(v) if v is not None else "-" for v in cells]
+        ratios = [f"{cells[2] / base:.3f}" if ratio and base and cells[2] is not None else "" for base in cells[:2]]
+        print(f"{label:<34}" + "".join(f"{c:>15}" for c in shown) + "".join(f"{r:>9}" for r in ratios))
 
     print(
         f"\nMLP {spec['hidden_sizes']}, batch {spec['batch_size']}, {spec['epochs']} epochs, "
-        f"{h['steps']} optimizer steps, {h['threads']} thread(s), {len(s['ratio']['pairs'])} paired run(s)"
+        f"{h['steps']} optimizer steps, {h['threads']} thread(s), {len(s['ratio']['pairs'])} round(s)"
     )
-    print(f"{'(medians)':<34}{'hand-written':>14}{'template':>14}{'t / h':>12}")
-    row("steps/s over the training span", h["steps_per_s"], t["steps_per_s"], "{:.1f}")
-    row("training span s", h["train_s"], t["train_s"])
-    row("training span, CPU time s", h["train_cpu_s"], t["train_cpu_s"])
-    row("  of which validation s", h["val_s"], t["val_s"])
-    row("  of which checkpoint saves s", h["ckpt_s"], t["ckpt_s"])
-    row("checkpoint saves per epoch", h["saves_per_epoch"], t["saves_per_epoch"], "{:.2f}", ratio=False)
-    row("one save ms", h["save_s"] * 1e3, t["save_s"] * 1e3, "{:.2f}")
-    row("one save / one epoch %", h["save_over_epoch"] * 100, t["save_over_epoch"] * 100, "{:.1f}", ratio=False)
-    row("launch to first optimizer step s", h["first_step_s"], t["first_step_s"], "{:.2f}")
-    row(f"launch to val/acc >= {TARGET_ACC} s", h["time_to_target_s"], t["time_to_target_s"], "{:.2f}")
-    row("launch to exit s", h["total_s"], t["total_s"], "{:.2f}")
-    row("final val/acc", h["final_val_acc"], t["final_val_acc"], "{:.4f}", ratio=False)
+    print(f"{'(medians)':<34}{'(a) hand':>15}{'(b) lightning':>15}{'(c) template':>15}{'c / a':>9}{'c / b':>9}")
+    row("steps/s over the training span", h["steps_per_s"], b["steps_per_s"], t["steps_per_s"], fmt="{:.1f}")
+    for label, key in (
+        ("training span s", "train_s"),
+        ("training span, CPU time s", "train_cpu_s"),
+        ("  of which validation s", "val_s"),
+        ("  of which checkpoint saves s", "ckpt_s"),
+    ):
+        row(label, h[key], b[key], t[key])
+    row("checkpoint saves per epoch", h["saves_per_epoch"], b["saves_per_epoch"], t["saves_per_epoch"], ratio=False)
+    row("one save ms", h["save_s"] * 1e3, b["save_s"] * 1e3, t["save_s"] * 1e3, fmt="{:.2f}")
+    pct = [x["save_over_epoch"] * 100 for x in (h, b, t)]
+    row("one save / one epoch %", *pct, fmt="{:.1f}", ratio=False)
+    row("launch to first optimizer step s", h["first_step_s"], b["first_step_s"], t["first_step_s"], fmt="{:.2f}")
+    to_target = (h["time_to_target_s"], b["time_to_target_s"], t["time_to_target_s"])
+    row(f"launch to val/acc >= {TARGET_ACC} s", *to_target, fmt="{:.2f}")
+    row("launch to exit s", h["total_s"], b["total_s"], t["total_s"], fmt="{:.2f}")
+    row("final val/acc", h["final_val_acc"], b["final_val_acc"], t["final_val_acc"], fmt="{:.4f}", ratio=False)
     print()
-    for key, what in (("ratio", "wall"), ("cpu_ratio", "CPU")):
+    for key, what in (
+        ("ratio", "template / hand-written, training span, wall time"),
+        ("cpu_ratio", "template / hand-written, training span, CPU time"),
+        ("ratio_vs_lightning", "template / plain Lightning, training span, wall time"),
+        ("cpu_ratio_vs_lightning", "template / plain Lightning, training span, CPU time"),
+    ):
         r = s[key]
+        pairs = ", ".join(f"{x:.3f}" for x in r["pairs"])
+        print(f"{what}: median {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f}; rounds {pairs})")
+    for base, what in (("vs_hand", "the hand-written loop"), ("vs_lightning", "plain Lightning")):
+        r = s["extra_us_per_step"][base]
         print(
-            f"template / hand-written, training span, {what} time: median {r['median']:.3f} "
-            f"(min {r['min']:.3f}, max {r['max']:.3f}; pairs {', '.join(f'{x:.3f}' for x in r['pairs'])})"
+            f"template's extra wall time per optimizer step over {what}: median {r['median']:.0f} us "
+            f"(min {r['min']:.0f}, max {r['max']:.0f})"
         )
+    diffs = ", ".join(f"{side} {d:.2e}" for side, d in s["loss_abs_diff_vs_hand"].items())
     print(
         f"same optimizer steps: {s['same_steps']}; same loss at every step: {s['same_losses']} "
-        f"(max |difference| {s['max_loss_abs_diff']:.2e}); same threads: {s['same_threads']}"
+        f"(max |difference| from the hand-written loop's: {diffs}); same threads: {s['same_threads']}"
     )
 
 
@@ -464,9 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, help="width of every hidden layer (default: the config's)")
     parser.add_argument("--batch-size", type=int, help="samples per batch (default: the config's)")
     parser.add_argument("--epochs", type=int, help="epochs of each run (default: the config's max_epochs)")
-    parser.add_argument("--repeats", type=int, default=3, help="paired runs (default: 3)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default: 1)")
-    parser.add_argument("--cpus", help="pin both sides to these CPUs with taskset, e.g. 1 or 0-1")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of one run per side (default: 3)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on every side (default: 1)")
+    parser.add_argument("--cpus", help="pin every side to these CPUs with taskset, e.g. 1 or 0-1")
     parser.add_argument("--profile", action="store_true", help="one more template run, under cProfile")
     parser.add_argument(
         "--template-arg",
@@ -492,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             for side in SIDES if i % 2 == 0 else SIDES[::-1]:
                 runs[side].append(run_side(side, spec, Path(tmp) / f"{i}-{side}", args))
-                print(f"run {i + 1}/{args.repeats} {side}: {runs[side][-1]['train_s']:.3f} s", file=sys.stderr)
+                print(f"round {i + 1}/{args.repeats} {side}: {runs[side][-1]['train_s']:.3f} s", file=sys.stderr)
         summary = summarize(runs, spec)
         print_table(summary)
         if args.profile:
