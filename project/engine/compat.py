@@ -12,6 +12,9 @@ on a Lightning version where one changed.
   into a nested state dict; the engine's planner does the same, reading the value with ``weights_only=True``.
 - ``Callback._generate_state_key``'s format, ``ClassName{'monitor': ..., 'mode': ...}``: the key a checkpoint files
   each callback's state under, read back for a ``ModelCheckpoint``'s ``mode`` (``project.engine.best``).
+- ``ModelCheckpoint._should_skip_saving_checkpoint`` / ``_save_last_checkpoint`` / ``_monitor_candidates``: the
+  end-of-fit refresh of ``last.ckpt`` (``project.engine.last_checkpoint``), with Lightning's own bookkeeping of
+  ``last_model_path`` and its skips (``fast_dev_run``, not fitting, already saved at this step).
 """
 
 import ast
@@ -58,3 +61,10 @@ def state_key_arguments(state_key: str) -> dict[str, Any]:
     except (ValueError, SyntaxError):
         return {}
     return parsed if isinstance(parsed, dict) else {}
+
+
+def save_last_unless_saved_at_this_step(callback: Any, trainer: L.Trainer) -> None:
+    """``callback`` (a ``ModelCheckpoint`` with ``save_last``) writes ``last.ckpt`` now, unless it already did at this
+    global step or Lightning would not save here at all."""
+    if callback.save_last and not callback._should_skip_saving_checkpoint(trainer):
+        callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))

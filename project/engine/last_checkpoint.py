@@ -1,0 +1,46 @@
+"""``last.ckpt`` on a time interval, and always at the end of ``fit``: the default checkpoint policy's refresh."""
+
+from datetime import timedelta
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from project.engine.compat import save_last_unless_saved_at_this_step
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """A ``ModelCheckpoint`` that writes only ``last.ckpt``: every ``train_time_interval`` of training and once
+    more when ``fit`` ends, so the file always holds the final state of a finished run.
+
+    A time, not a step count: a save costs the same whatever the step takes, so a 1 GB model is not saved every
+    few seconds and a 2 ms step not every 50 steps. Between refreshes, a hard crash resumes from the newest of the
+    other checkpoints (``--ckpt_path last`` takes the newest file of the run); SIGTERM, SIGUSR1 and Ctrl-C save
+    ``last.ckpt`` first (``project.engine.signals``). Lightning's own end-of-fit save writes ``last.ckpt`` only if
+    none was written during the fit, which leaves it up to ``train_time_interval`` old.
+
+    Args:
+        train_time_interval: How often ``last.ckpt`` is refreshed, e.g. ``"0:10:00"``.
+        dirpath: Where; ``None``: the run's ``checkpoints/`` folder.
+    """
+
+    def __init__(self, train_time_interval: str = "0:10:00", dirpath: str | None = None) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            train_time_interval=_parse_interval(train_time_interval),
+            save_top_k=0,
+            save_last=True,
+            enable_version_counter=False,  # ModelCheckpoints writing last.ckpt share the file, never last-v1.ckpt
+        )
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        save_last_unless_saved_at_this_step(self, trainer)
+
+
+def _parse_interval(value: str) -> timedelta:
+    try:
+        hours, minutes, seconds = (float(part) for part in value.split(":"))
+    except ValueError:
+        raise ValueError(f"train_time_interval {value!r} is not H:MM:SS, e.g. '0:10:00' for ten minutes") from None
+    if min(hours, minutes, seconds) < 0:
+        raise ValueError(f"train_time_interval {value!r} is negative; '0:00:00' saves after every step")
+    return timedelta(hours=hours, minutes=minutes, seconds=seconds)
