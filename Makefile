@@ -7,10 +7,10 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 ARGS ?=
 # pytest-xdist processes for `make test`; whole files go to one worker (module fixtures are built once).
-# 2 on the 2-core CI machine: 7m50s instead of ~11 min; WORKERS=0 runs in this process.
+# 2 on the 2-core CI machine; WORKERS=0 runs in this process.
 WORKERS ?= 2
 
-.PHONY: help setup train test test-fast test-oldest lint format tensorboard plot clean
+.PHONY: help setup train test test-fast test-long test-all test-oldest lint format tensorboard plot clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -27,11 +27,17 @@ setup: $(BIN)/.installed  ## create .venv with torch, the project and the dev to
 train: setup  ## train the default config (extra flags: make train ARGS="--trainer.devices 4")
 	$(BIN)/python -m project fit $(ARGS)
 
-test: setup  ## run the whole test suite, multi-process tests included
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile $(ARGS)
+test: setup  ## every guarantee once, multi-process tests included (~8 min); test-all adds the rest
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m "not long" $(ARGS)
 
-test-fast: setup  ## skip the slow multi-process tests
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow" $(ARGS)
+test-fast: setup  ## the in-process tests only (~1 min)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" $(ARGS)
+
+test-long: setup  ## only what make test leaves out (marked long): the same guarantees in other settings
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m long $(ARGS)
+
+test-all: setup  ## the whole suite: make test and make test-long together (~20 min; CI runs both)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile $(ARGS)
 
 test-oldest:  ## the fast tests on the oldest versions pyproject.toml allows, in .venv-oldest (CI runs it)
 	$(PYTHON) -m venv .venv-oldest
@@ -40,7 +46,7 @@ test-oldest:  ## the fast tests on the oldest versions pyproject.toml allows, in
 	$(PYTHON) .ci/oldest_constraints.py > .venv-oldest/constraints.txt
 	.venv-oldest/bin/pip install --quiet -c .venv-oldest/constraints.txt -e ".[dev]"
 	.venv-oldest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
-	.venv-oldest/bin/python -m pytest -m "not slow" -p no:cacheprovider $(ARGS)
+	.venv-oldest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
 
 lint: setup  ## ruff lint and format check
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

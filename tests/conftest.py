@@ -42,6 +42,19 @@ def run_dirs(cwd: Path, name: str = "digits") -> list[Path]:
     return sorted((cwd / "runs" / name).glob("version_*"))
 
 
+def newest_checkpoint(run_dir: Path) -> Path:
+    """The run's most recently written checkpoint file: what ``--ckpt_path last`` resumes from after a hard crash
+    (the default writes last.ckpt every 10 minutes and at the end of fit, the best 3 and every 2 epochs)."""
+    return max((run_dir / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+
+
+def saved_steps(run_dir: Path) -> dict[str, int]:
+    """``{file name: global_step}`` of each checkpoint file in the run."""
+    import torch
+
+    return {p.name: torch.load(p, weights_only=True)["global_step"] for p in (run_dir / "checkpoints").glob("*.ckpt")}
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path

@@ -303,7 +303,7 @@ class KillGroupAt(L.Callback):
         if Path(self.once_marker).exists():
             return
         Path(self.once_marker).touch()
-        wait_for_writes(trainer)  # the machine dies after the epoch-end last.ckpt is on disk, not while it is written
+        wait_for_writes(trainer)  # the machine dies after the epoch-end checkpoint is on disk, not while it is written
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
 

@@ -75,6 +75,7 @@ def test_a_preempted_fit_is_not_tested(tmp_path, caplog):
     assert "val/acc" in scalars(run)  # precondition: the run did log (an epoch validated) before it was stopped
 
 
+@pytest.mark.long  # CI and make test-all; test after fit again, under DDP
 @pytest.mark.slow  # DDP: a subprocess
 def test_a_2_rank_ddp_fit_tests_its_best_on_both_ranks_equal_to_a_single_process_test(tmp_path):
     proc = cli("fit", *SMALL, *AFTER, *DDP2, "--trainer.max_epochs", "2", cwd=tmp_path, timeout=300)

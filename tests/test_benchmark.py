@@ -12,6 +12,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow  # four interpreters (driver, hand-written loop, plain Lightning, template CLI)
 
 
+@pytest.mark.long  # CI and make test-all; the benchmark script's three sides
 def test_benchmark_runs_three_sides_on_the_same_steps():
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(

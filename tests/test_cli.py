@@ -87,6 +87,7 @@ def test_resume_last_without_any_run_starts_fresh_with_a_notice(workdir):
     assert len(run_dirs(workdir)) == 1
 
 
+@pytest.mark.long  # CI and make test-all; export: tests/test_export.py in make test
 def test_exported_weights_load_into_the_bare_net_with_the_same_predictions(workdir):
     cli("fit", *TINY, "--model.warmup", "1", "--model.net.hidden_sizes", "[32]", cwd=workdir)
     (run,) = run_dirs(workdir)

@@ -44,6 +44,7 @@ def test_each_debug_preset_runs(preset, tmp_path):
     assert cli.trainer.state.finished
 
 
+@pytest.mark.long  # CI and make test-all; a non-editable install
 @pytest.mark.slow  # two interpreters with another sys.path: what `pip install .` gives
 def test_installed_without_editable_the_base_config_is_the_project_folders_or_named(tmp_path):
     """`pip install .` puts `project` in site-packages, with no configs/ beside it: the project folder's is used

@@ -79,6 +79,7 @@ def test_background_run_is_detached_and_records_its_exit_code(workdir):
     assert bg("stop", "tiny", cwd=workdir).returncode == 1  # nothing left to stop
 
 
+@pytest.mark.long  # CI and make test-all; the background launcher again, with SIGHUP
 @pytest.mark.slow
 def test_background_run_ignores_hangup_and_stop_waits_for_its_exit(workdir):
     assert bg("start", "long", *QUIET, *ENDLESS, cwd=workdir).returncode == 0
@@ -92,8 +93,8 @@ def test_background_run_ignores_hangup_and_stop_waits_for_its_exit(workdir):
 
 def _hangup_then_stop(workdir: Path, pid: int) -> None:
     assert bg("start", "long", *QUIET, *ENDLESS, cwd=workdir).returncode == 1  # one run per name
-    last = workdir / "runs" / "digits" / "version_0" / "checkpoints" / "last.ckpt"
-    wait_for(last.is_file, 120, "the first epoch's last.ckpt")  # training for real, signal handlers installed
+    folder = workdir / "runs" / "digits" / "version_0" / "checkpoints"
+    wait_for(lambda: any(folder.glob("*.ckpt")), 120, "the first epoch's checkpoint")  # training, handlers installed
     os.kill(pid, signal.SIGHUP)  # what logging out sends
     time.sleep(1)
     assert alive(pid) and "running" in bg("status", "long", cwd=workdir).stdout
@@ -154,6 +155,7 @@ def test_torchrun_two_cpu_ranks_train_one_run_summarised_once(one_node_two_ranks
     assert out.count("Run summary:") == 1  # by rank 0 alone
 
 
+@pytest.mark.long  # CI and make test-all; torchrun again, on 2 nodes
 @pytest.mark.slow
 def test_torchrun_two_nodes_follow_node_rank_and_match_one_node(one_node_two_ranks, tmp_path):
     """2 nodes x 1 rank (two torchrun agents on this machine, separate folders) == 1 node x 2 ranks."""
@@ -284,6 +286,7 @@ def slurm_job(tmp_path: Path, ntasks: int) -> dict[str, str]:
     )
 
 
+@pytest.mark.long  # CI and make test-all; SLURM: the requeue test is in make test
 @pytest.mark.slow
 def test_srun_line_trains_two_ranks_under_lightnings_slurm_detection(tmp_path):
     cpu = ["--trainer.accelerator", "cpu", "--trainer.strategy", "ddp"]
@@ -315,8 +318,8 @@ def test_sigusr1_makes_lightning_checkpoint_and_requeue_and_the_requeued_job_res
             start_new_session=True,
         )
     try:
-        last = tmp_path / "runs" / "digits" / "version_0" / "checkpoints" / "last.ckpt"
-        wait_for(last.is_file, 120, "the first epoch's last.ckpt")
+        last = tmp_path / "runs" / "digits" / "version_0" / "checkpoints" / "last.ckpt"  # written at SIGTERM below
+        wait_for(lambda: any(last.parent.glob("*.ckpt")), 120, "the first epoch's checkpoint")
         job.send_signal(signal.SIGUSR1)  # what --signal=SIGUSR1@90 delivers 90 s before the time limit
         calls = tmp_path / "scontrol.calls"
         wait_for(calls.is_file, 60, "scontrol requeue")

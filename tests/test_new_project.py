@@ -303,6 +303,7 @@ def test_the_copy_passes_its_unit_tests_and_trains(generated, tmp_path):
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["class_path"].startswith(f"{NAME}.")
 
 
+@pytest.mark.long  # CI and make test-all; the copy's own tests again, without the example
 @pytest.mark.slow
 def test_the_no_example_copy_passes_its_unit_tests_and_the_skeletons_fit(bare, tmp_path):
     """The skeleton's own tests include a real ``python -m acme_ml fit`` through the CLI."""

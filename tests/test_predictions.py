@@ -114,7 +114,7 @@ def test_predict_writes_index_pred_and_probabilities_of_every_sample_as_the_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.long)])  # 3: CI and make test-all
 def test_ddp_predictions_merge_into_the_single_process_file(fitted, single, ranks):
     ddp = ["--trainer.accelerator", "cpu", "--trainer.devices", str(ranks), "--trainer.strategy", "ddp"]
     run = predict(*fitted, *ddp)

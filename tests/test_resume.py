@@ -10,16 +10,16 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import DDP2, QUIET, REPO, cli, run_dirs, scalars
+from tests.conftest import DDP2, QUIET, REPO, cli, newest_checkpoint, run_dirs, saved_steps, scalars
 
 pytestmark = pytest.mark.slow
 
-# A last.ckpt writer every 50 optimizer steps besides the default ones (last.ckpt at every epoch end, and every 10
-# minutes, which these runs never reach), so that a mid-epoch checkpoint exists.
+# A last.ckpt writer every 50 optimizer steps besides the default ones (the best 3 and every 2 epochs at epoch ends,
+# last.ckpt every 10 minutes, which these runs never reach, and at the end), so that a mid-epoch checkpoint exists.
 EVERY_50 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=50",
             "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
             "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
-# 3 epochs of 20 steps; last.ckpt at every epoch end and at step 50.
+# 3 epochs of 20 steps; checkpoints at epoch ends (steps 20, 40, 60) and last.ckpt at step 50.
 BASE = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "3", "--model.warmup", "1", *EVERY_50]
 # 2 ranks x batch 48: 14 steps per epoch, so step 50 is mid-epoch (epoch 3, batch 8).
 DDP = [*QUIET, *DDP2, "--trainer.max_epochs", "4", "--trainer.limit_val_batches", "3", "--model.warmup", "1",
@@ -75,7 +75,7 @@ def interrupted_then_resumed(cwd, args, step, sig=9):
 
 
 def test_resume_from_epoch_end_checkpoint_is_exact(uninterrupted, tmp_path):
-    interrupted_then_resumed(tmp_path, BASE, step=45)  # last.ckpt is the end of epoch 2 (step 40)
+    interrupted_then_resumed(tmp_path, BASE, step=45)  # the newest checkpoint: the end of epoch 2 (step 40)
     assert_same_run(uninterrupted, tmp_path)
 
 
@@ -89,12 +89,14 @@ def test_resume_from_mid_epoch_checkpoint_is_exact(uninterrupted, tmp_path):
     assert_same_run(uninterrupted, tmp_path)
 
 
+@pytest.mark.long  # CI and make test-all; the mid-epoch resume again, with workers
 def test_resume_with_loader_workers_is_exact(uninterrupted, tmp_path):
     workers = [*BASE, "--data.num_workers", "2", "--data.persistent_workers", "true"]
     interrupted_then_resumed(tmp_path, workers, step=55)
     assert_same_run(uninterrupted, tmp_path)  # workers change nothing: the reference ran without them
 
 
+@pytest.mark.long  # CI and make test-all; epoch-end and mid-epoch resumes are in make test
 def test_resume_at_a_random_step_is_exact(uninterrupted, tmp_path):
     step = seeded_random("kill step").randint(21, 59)
     interrupted_then_resumed(tmp_path, BASE, step=step)
@@ -134,12 +136,13 @@ def test_ctrl_c_saves_last_and_exits_130_and_the_resume_is_exact(uninterrupted, 
     assert_same_run(uninterrupted, tmp_path)
 
 
+@pytest.mark.long  # CI and make test-all; SIGTERM again, in validation
 def test_sigterm_during_validation_keeps_the_last_checkpoint_and_the_resume_is_exact(uninterrupted, tmp_path):
     fault = ["--trainer.callbacks+=tests.faults.SignalInValidation", "--trainer.callbacks.epoch=1"]
     proc = cli("fit", *BASE, *fault, cwd=tmp_path, check=False)
     assert proc.returncode == 143 and "Preempted during validation" in proc.stdout + proc.stderr
     (run,) = run_dirs(tmp_path)
-    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 20  # epoch 0's end
+    assert max(saved_steps(run).values()) == 20  # nothing saved after epoch 0's end
     cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
     assert_same_run(uninterrupted, tmp_path)  # epoch 1's validation point is there, once
 
@@ -147,7 +150,7 @@ def test_sigterm_during_validation_keeps_the_last_checkpoint_and_the_resume_is_e
 def test_truncated_checkpoint_names_the_file_and_last_picks_a_good_one(uninterrupted, tmp_path):
     proc = cli("fit", *BASE, *kill_at(45), cwd=tmp_path, check=False)
     (run,) = run_dirs(tmp_path)
-    last = run / "checkpoints" / "last.ckpt"
+    last = newest_checkpoint(run)  # one of the two files of step 40 (the end of epoch 2: best 3, every 2 epochs)
     data = last.read_bytes()
     last.write_bytes(data[: seeded_random("truncation length").randint(1, len(data) - 1)])
     proc = cli("fit", *BASE, "--ckpt_path", str(last), cwd=tmp_path, check=False)
@@ -160,6 +163,7 @@ def test_truncated_checkpoint_names_the_file_and_last_picks_a_good_one(uninterru
     assert_same_run(uninterrupted, tmp_path)  # the epoch-2 checkpoints beside it hold the same state
 
 
+@pytest.mark.long  # CI and make test-all; torchrun restarts: ~60 s
 def test_restart_launcher_recovers_from_a_worker_crash_exactly(tmp_path):
     """The restart loop starts both ranks again after rank 1 dies; they resume from last.ckpt."""
     reference, crashed = tmp_path / "reference", tmp_path / "crashed"

@@ -6,7 +6,7 @@ under 2-rank DDP in subprocesses."""
 import pytest
 import torch
 
-from tests.conftest import DDP2, QUIET, cli, cli_in_process, scalars
+from tests.conftest import DDP2, QUIET, cli, cli_in_process, newest_checkpoint, scalars
 
 pytestmark = pytest.mark.slow
 
@@ -32,13 +32,15 @@ def final(root):
 
 
 def resumed_from_mid_epoch(root) -> bool:
-    """Whether the newest last.ckpt (what --ckpt_path last resumes from) was taken in the middle of an epoch."""
-    ckpt = torch.load(root / "digits" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    """Whether the newest checkpoint (what --ckpt_path last resumes from) was taken in the middle of an epoch."""
+    ckpt = torch.load(newest_checkpoint(root / "digits" / "version_0"), weights_only=True)
     batches = ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"]
     return not ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] and batches > 0
 
 
-@pytest.mark.parametrize("flag", list(CASES))
+@pytest.mark.parametrize(  # one in make test, the others in CI and make test-all
+    "flag", [f if f == "val_check_interval 0.5" else pytest.param(f, marks=pytest.mark.long) for f in CASES]
+)
 def test_resume_is_exact_at_an_epoch_end_and_mid_epoch(flag, tmp_path):
     args, epoch_end_step, mid_epoch_step = CASES[flag]
     cli_in_process("fit", *BASE, *args, root=tmp_path / "reference")
@@ -59,6 +61,7 @@ def test_resume_is_exact_at_an_epoch_end_and_mid_epoch(flag, tmp_path):
             assert logged[tag] == ref_logged[tag], (where, tag)
 
 
+@pytest.mark.long  # CI and make test-all; DDP resume: test_resume.py checks it in make test
 def test_two_rank_ddp_resume_with_the_flags_together_is_exact(tmp_path):
     # batch 16 on 2 ranks: 40 batches a rank, limited to 20, 3 to a step: 7 steps an epoch (the 7th on 2 batches),
     # validation also after batch 10; last.ckpt every 5 steps, so step 15 (epoch 2, batch 3) is mid-epoch.

@@ -9,11 +9,12 @@ from project.engine.export import export
 from project.engine.runs import read_global_step
 from project.engine.sharded import full_state_dict, read_meta
 from project.engine.weights import load_net
-from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
+from tests.conftest import QUIET, REPO, cli, newest_checkpoint, run_dirs, scalars
 
 pytestmark = pytest.mark.slow
 
-# 2 epochs of 4 steps on 2 ranks; last.ckpt at each epoch end (steps 4, 8) and every 3 steps (3, 6: mid-epoch).
+# 2 epochs of 4 steps on 2 ranks; the best 3 at each epoch end (steps 4, 8), last.ckpt every 3 steps (3, 6: mid-epoch)
+# and at the end (8).
 FSDP = [*QUIET, "--config", str(REPO / "configs" / "fsdp.yaml"), "--trainer.accelerator", "cpu",
         "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2",
         "--model.warmup", "1", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
@@ -59,12 +60,14 @@ def test_sharded_checkpoints_are_complete_folders_one_shard_per_rank(reference):
     assert abs(sizes[0] - sizes[1]) < 0.1 * max(sizes), sizes
 
 
+@pytest.mark.long  # CI and make test-all; ~65 s: sharded kills and resumes
 def test_kill_during_save_and_resumes_at_epoch_end_and_mid_epoch_are_exact(reference, tmp_path):
     proc = cli("fit", *FSDP, *TWO, *kill_at(5), cwd=tmp_path, check=False)
     assert proc.returncode == -9, proc.stderr[-2000:]
     (run,) = run_dirs(tmp_path)
+    newest = newest_checkpoint(run)  # what `last` resumes from: epoch 0's end (the best-3 folder), after last.ckpt
+    assert read_global_step(newest) == 4 and not mid_epoch(newest)  # of step 3
     last = run / "checkpoints" / "last.ckpt"
-    assert read_global_step(last) == 4 and not mid_epoch(last)  # epoch 0's end
     # killed on both ranks after writing the shards of step 8, before the rename: last.ckpt stays step 6
     publish = [
         "--trainer.strategy.class_path",
@@ -96,6 +99,7 @@ def test_kill_during_save_and_resumes_at_epoch_end_and_mid_epoch_are_exact(refer
         assert logged[tag] == ref_logged[tag], tag
 
 
+@pytest.mark.long  # CI and make test-all; resharding
 def test_resume_on_one_rank_reshards_exactly_and_says_what_is_not(reference, tmp_path):
     (ref_run,) = run_dirs(reference)
     ref_last = ref_run / "checkpoints" / "last.ckpt"

@@ -25,6 +25,7 @@ def test_compile_and_matmul_precision_are_applied_in_setup_and_keep_checkpoint_k
         torch.set_float32_matmul_precision(before)
 
 
+@pytest.mark.long  # CI and make test-all; the GPU overlay on CPU: ~40 s
 @pytest.mark.slow
 def test_gpu_config_trains_on_cpu_and_its_checkpoint_validates_in_a_plain_run(tmp_path):
     # bf16-mixed autocast, a compiled net, loader workers with pinned memory, all through the real CLI.

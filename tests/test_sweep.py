@@ -75,6 +75,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
 
 
+@pytest.mark.long  # CI and make test-all; ~140 s: two 4- and 3-trial sweeps
 def test_sweep_runs_trials_as_runs_prunes_the_bad_one_and_a_killed_sweep_continues_exactly(tmp_path):
     # The uninterrupted sweep: the oracle, and the 4-trial sweep the table is checked on.
     out = cli("sweep", "--config", str(write_sweep(tmp_path, "calm", 4, FIT)), cwd=tmp_path, timeout=900).stdout
@@ -103,7 +104,7 @@ def test_sweep_runs_trials_as_runs_prunes_the_bad_one_and_a_killed_sweep_continu
     seed = random.randrange(10_000)
     rng = random.Random(seed)
     victim = rng.choice([t.number for t in done if t.number < 3])
-    step = rng.randrange(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH)  # after the epoch-end last.ckpt
+    step = rng.randrange(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH)  # after the epoch-end checkpoint
     print(f"kill seed {seed}: trial {victim} at step {step}")
     kill = [
         "--trainer.callbacks+=tests.faults.KillGroupAt",
@@ -124,7 +125,8 @@ def test_sweep_runs_trials_as_runs_prunes_the_bad_one_and_a_killed_sweep_continu
     second = cli("sweep", "--config", config, cwd=tmp_path, timeout=900).stdout  # the same command again
     assert f"trial {victim} was left running by a dead worker; resuming it" in second, f"seed {seed}\n{second[-2000:]}"
     log = (tmp_path / "runs" / "killed" / f"trial_{victim}" / "fit.log").read_text()
-    assert "resuming from" in log and f"trial_{victim}/version_0/checkpoints/last.ckpt" in log, f"seed {seed}"
+    resumed = rf"resuming from \S*trial_{victim}/version_0/checkpoints/\S+\.ckpt \(global step {STEPS_PER_EPOCH}\)"
+    assert re.search(resumed, log), f"seed {seed}: not resumed from its epoch-end checkpoint\n{log}"
     assert sorted(p.name for p in (tmp_path / "runs" / "killed" / f"trial_{victim}").glob("version_*")) == ["version_0"]
 
     killed = load(tmp_path, "killed")
@@ -135,6 +137,7 @@ def test_sweep_runs_trials_as_runs_prunes_the_bad_one_and_a_killed_sweep_continu
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"seed {seed}: trial {number}"
 
 
+@pytest.mark.long  # CI and make test-all; pruning as above, under DDP
 def test_a_pruned_ddp_trial_stops_every_rank_at_the_same_step(tmp_path):
     probe = ["--trainer.callbacks+=tests.faults.StepsPerRank", f"--trainer.callbacks.out_dir={tmp_path / 'ranks'}"]
     fit = [*QUIET, *DDP2, "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "2", *probe]

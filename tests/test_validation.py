@@ -25,8 +25,12 @@ def checkpoint(tmp_path_factory):
     return run / "checkpoints" / "last.ckpt"
 
 
-@pytest.mark.parametrize("mode", ["distributed", "rank_zero"])
-@pytest.mark.parametrize("subcommand", ["validate", "test"])
+@pytest.mark.parametrize(
+    ("subcommand", "mode"),
+    [("validate", "distributed")]  # the others: CI and make test-all
+    + [pytest.param(*case, marks=pytest.mark.long) for case in [("validate", "rank_zero"), ("test", "distributed"),
+                                                                 ("test", "rank_zero")]],
+)  # fmt: skip
 def test_one_two_and_three_ranks_give_the_single_process_numbers(checkpoint, tmp_path, mode, subcommand):
     stage = "val" if subcommand == "validate" else "test"
     results = {}
@@ -51,6 +55,7 @@ def test_one_two_and_three_ranks_give_the_single_process_numbers(checkpoint, tmp
         assert results[n][1] == pytest.approx(results[1][1], rel=1e-5), (mode, n)
 
 
+@pytest.mark.long  # CI and make test-all; the rank-zero mode again, with callbacks
 def test_rank_zero_mode_with_checkpointing_and_early_stopping_finishes_and_agrees(tmp_path):
     early_stop = [
         "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping",
