@@ -158,10 +158,12 @@ def hand_written(spec: dict[str, Any], out: Path) -> None:
     _write_result(out, step, train_s, train_cpu_s, val_s, ckpt_s, first_step_at, losses, val_acc)
 
 
-def _write_result(out: Path, steps, train_s, train_cpu_s, val_s, ckpt_s, first_step_at, losses, val_acc) -> None:
+def _write_result(out: Path, steps, train_s, train_cpu_s, val_s, ckpt_s, first_step_at, losses, val_acc,
+                  phases: dict[str, float] | None = None) -> None:
     import torch
 
     result = {
+        "phases": phases or {},
         "steps": steps,
         "train_s": train_s,
         "train_cpu_s": train_cpu_s,
@@ -201,6 +203,9 @@ if __name__ != "__main__":
         """
 
         def __init__(self, out: str, profile: bool = False) -> None:
+            # Start-up phases, as wall-clock times: this callback is built once the command line is parsed and the
+            # config read (the template's CLI instantiates it with the Trainer), before any data is touched.
+            self.phases = {"built": time.time()}
             self.out, self.profile = Path(out), profile
             self.losses: list[Any] = []
             self.val_acc: list[tuple[float, float]] = []
@@ -217,12 +222,20 @@ if __name__ != "__main__":
                 self.ckpt_s.append(time.perf_counter() - start)
 
             trainer.save_checkpoint = timed_save  # ModelCheckpoint saves through this attribute
+            self.phases["set_up"] = time.time()  # after the strategy's and the data module's setup
+
+        def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.phases["sanity_start"] = time.time()
+
+        def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.phases["sanity_end"] = time.time()
 
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             self.profiler = cProfile.Profile() if self.profile else None
             if self.profiler:
                 self.profiler.enable()
             self.start, self.start_cpu = time.perf_counter(), time.process_time()
+            self.phases["train_start"] = time.time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
             if self.first_step_at is None:
@@ -248,7 +261,7 @@ if __name__ != "__main__":
 
             losses = torch.stack(self.losses).tolist()
             timings = (train_s, train_cpu_s, self.val_s, self.ckpt_s, self.first_step_at)
-            _write_result(self.out, trainer.global_step, *timings, losses, self.val_acc)
+            _write_result(self.out, trainer.global_step, *timings, losses, self.val_acc, self.phases)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -355,11 +368,32 @@ def run_side(side: str, spec: dict[str, Any], workdir: Path, args: argparse.Name
     result = json.loads(out.read_text())
     result["total_s"] = total_s
     result["first_step_s"] = result.pop("first_step_at") - launched
+    result["phases_s"] = {phase: at - launched for phase, at in result.pop("phases").items()}
     reached = [at for acc, at in result["val_acc"] if acc >= TARGET_ACC]
     result["time_to_target_s"] = reached[0] - launched if reached else None
     result["final_val_acc"] = result["val_acc"][-1][0] if result["val_acc"] else None
     result["profile"] = str(out.with_suffix(".prof")) if profile else None
     return result
+
+
+def import_lightning_s(args: argparse.Namespace) -> float:
+    """Wall time of ``import lightning`` in a fresh interpreter, as the sides start: the floor of any Lightning
+    program's start-up."""
+    cmd = [sys.executable, "-c", "import lightning"]
+    if args.cpus:
+        cmd = ["taskset", "-c", args.cpus, *cmd]
+    start = time.time()
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    return time.time() - start
+
+
+# Start-up phases the timer records, in order: (key, what happened by then)
+PHASES = (
+    ("built", "command line parsed, config read, objects built"),
+    ("set_up", "strategy, data and model set up"),
+    ("sanity_end", "sanity-check validation done"),
+    ("train_start", "training loop started"),
+)
 
 
 def side_summary(runs: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
@@ -381,6 +415,11 @@ def side_summary(runs: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
         "save_s": save_s,
         "save_over_epoch": save_s / epoch_s,
         "first_step_s": med("first_step_s"),
+        "phases_s": {
+            key: statistics.median(r["phases_s"][key] for r in runs)
+            for key, _ in PHASES
+            if all(key in r.get("phases_s", {}) for r in runs)
+        },
         "total_s": med("total_s"),
         "time_to_target_s": statistics.median(to_target) if len(to_target) == len(runs) else None,
         "final_val_acc": runs[0]["final_val_acc"],
@@ -471,10 +510,28 @@ def print_table(s: dict[str, Any]) -> None:
             f"template's extra wall time per optimizer step over {what}: median {r['median']:.0f} us "
             f"(min {r['min']:.0f}, max {r['max']:.0f})"
         )
+    print_startup(s)
     diffs = ", ".join(f"{side} {d:.2e}" for side, d in s["loss_abs_diff_vs_hand"].items())
     print(
         f"same optimizer steps: {s['same_steps']}; same loss at every step: {s['same_losses']} "
         f"(max |difference| from the hand-written loop's: {diffs}); same threads: {s['same_threads']}"
+    )
+
+
+def print_startup(s: dict[str, Any]) -> None:
+    """Launch to first optimizer step of (b) and (c), phase by phase, against importing Lightning alone."""
+    b, t, imported = s["lightning"], s["template"], s["import_lightning_s"]
+    print(f"\nStart-up, s after launch (medians){'(b) lightning':>22}{'(c) template':>15}{'c - b':>9}")
+    print(f"{'  import lightning alone':<49}{imported:>15.2f}{imported:>15.2f}")
+    for key, what in PHASES:
+        if key in b["phases_s"] and key in t["phases_s"]:
+            pb, pt = b["phases_s"][key], t["phases_s"][key]
+            print(f"{'  ' + what:<49}{pb:>15.2f}{pt:>15.2f}{pt - pb:>+9.2f}")
+    pb, pt = b["first_step_s"], t["first_step_s"]
+    print(f"{'  first optimizer step done':<49}{pb:>15.2f}{pt:>15.2f}{pt - pb:>+9.2f}")
+    print(
+        f"template's own start-up (first step - import lightning alone): {pt - imported:.2f} s; "
+        f"plain Lightning's: {pb - imported:.2f} s"
     )
 
 
@@ -540,12 +597,15 @@ def main(argv: list[str] | None = None) -> int:
     spec = make_spec(args)
     check_same_data(spec)
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    imports = []
     with tempfile.TemporaryDirectory(prefix="benchmark-") as tmp:
         for i in range(args.repeats):
+            imports.append(import_lightning_s(args))
             for side in SIDES if i % 2 == 0 else SIDES[::-1]:
                 runs[side].append(run_side(side, spec, Path(tmp) / f"{i}-{side}", args))
                 print(f"round {i + 1}/{args.repeats} {side}: {runs[side][-1]['train_s']:.3f} s", file=sys.stderr)
         summary = summarize(runs, spec)
+        summary["import_lightning_s"] = statistics.median(imports)
         print_table(summary)
         if args.profile:
             profiled = run_side("template", spec, Path(tmp) / "profile", args, profile=True)
