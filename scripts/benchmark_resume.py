@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     first, last = (summary["resume_s"][str(at)] for at in (args.at[0], args.at[-1]))
     print(f"resumed at {args.at[-1]:.0%} / at {args.at[0]:.0%}: {last / first:.3f}; every resume started at the batch "
           f"it stopped at: {exact}")  # fmt: skip
+    summary["runs"] = {str(at): runs for at, runs in results.items()}
     print(json.dumps(summary))
     return 0 if exact else 1
 

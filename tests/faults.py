@@ -319,3 +319,19 @@ class StepsPerRank(L.Callback):
         self.out_dir.mkdir(parents=True, exist_ok=True)
         record = {"global_step": trainer.global_step, "epoch": trainer.current_epoch}
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class StopAt(L.Callback):
+    """Stops ``fit`` cleanly after optimizer step ``step``, mid-epoch, as ``max_time`` or an early stop does:
+    ``trainer.should_stop``. The end of fit then saves last.ckpt there.
+
+    Args:
+        step: The optimizer step after which to stop.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_: object) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True

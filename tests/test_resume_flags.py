@@ -83,3 +83,25 @@ def test_two_rank_ddp_resume_with_the_flags_together_is_exact(tmp_path):
     # Epoch-level train metrics are not exact under DDP (the checkpoint holds rank 0's metric state only).
     for tag in ("train/loss", "lr", "val/acc", "val/loss"):
         assert logged[tag] == ref_logged[tag], tag
+
+
+def test_a_fit_stopped_mid_epoch_then_continued_is_exact(tmp_path):
+    """max_time (or any clean stop mid-epoch) ends fit with last.ckpt at that step; `--ckpt_path last` continues the
+    same epoch, in its data order, and ends where the uninterrupted run ends. (Lightning counts the interrupted epoch
+    as done when fit ends, and a resume would start the next epoch's order at the same batch.)"""
+    cli_in_process("fit", *BASE, root=tmp_path / "reference")
+    ref, ref_logged = final(tmp_path / "reference")
+    root = tmp_path / "stopped"
+    cli_in_process("fit", *BASE, "--trainer.callbacks+=tests.faults.StopAt", "--trainer.callbacks.step=27", root=root)
+    stopped = torch.load(root / "digits" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert stopped["global_step"] == 27 and stopped["epoch"] == 1  # 20 steps an epoch: step 27 is in epoch 1
+    cli_in_process("fit", *BASE, "--ckpt_path", "last", root=root)
+    got, logged = final(root)
+    assert got["global_step"] == ref["global_step"]
+    diffs = {k: (got["state_dict"][k] - v).abs().max().item() for k, v in ref["state_dict"].items()}
+    assert all(d == 0.0 for d in diffs.values()), diffs
+    for tag in ("train/loss", "lr"):
+        assert logged[tag] == ref_logged[tag], tag
+    # Lightning validates when a fit stops mid-epoch: one more val/acc point, logged at step 26 (after step 27, as
+    # epoch 0's is at 19); the others are the same
+    assert [p for p in logged["val/acc"] if p[0] != 26] == ref_logged["val/acc"]
