@@ -105,8 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 0 < at < 1 for at in args.at):
         parser.error(f"--at {args.at}: each point must be inside the epoch, between 0 and 1")
     data = ["--data", "benchmark_resume.SlowDigits", "--data.delay_ms", str(args.delay_ms)]
-    batch_size, n_train = 64, 1437  # the default config's batch; the digits' training split (80% of 1797)
-    steps_per_epoch = math.ceil(n_train / batch_size)
+    sys.path.insert(0, str(REPO))
+    from project.data import DigitsDataModule  # the default config's data, with its default splits and batch
+
+    digits = DigitsDataModule()
+    digits.setup("fit")
+    batch_size = digits.hparams.batch_size
+    steps_per_epoch = math.ceil(len(digits.splits["train"]) / batch_size)
     points = {at: max(1, round(at * steps_per_epoch)) for at in args.at}
     results: dict[Any, list[dict[str, Any]]] = {at: [] for at in [*args.at, "fresh"]}
     order = [*args.at, "fresh"]
