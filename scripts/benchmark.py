@@ -158,8 +158,18 @@ def hand_written(spec: dict[str, Any], out: Path) -> None:
     _write_result(out, step, train_s, train_cpu_s, val_s, ckpt_s, first_step_at, losses, val_acc)
 
 
-def _write_result(out: Path, steps, train_s, train_cpu_s, val_s, ckpt_s, first_step_at, losses, val_acc,
-                  phases: dict[str, float] | None = None) -> None:
+def _write_result(
+    out: Path,
+    steps,
+    train_s,
+    train_cpu_s,
+    val_s,
+    ckpt_s,
+    first_step_at,
+    losses,
+    val_acc,
+    phases: dict[str, float] | None = None,
+) -> None:
     import torch
 
     result = {

@@ -14,9 +14,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from project.engine.compat import (
     cli_section,
     request_stop_at_batch_end,
+    save_last_unless_saved_at_this_step,
     set_csv_columns,
     set_nested,
-    save_last_unless_saved_at_this_step,
     shard_over_all_ranks,
     state_key_arguments,
 )

@@ -113,7 +113,9 @@ LOGGERS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(LOGGERS))
+@pytest.mark.parametrize(  # W&B resumes in a new process (~30 s): CI and make test-all
+    "name", [pytest.param(n, marks=pytest.mark.long) if n == "wandb" else n for n in LOGGERS]
+)
 def test_resume_continues_the_same_run_with_each_step_logged_once(name, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")  # belt and braces: the overlay is offline already
     monkeypatch.setenv("WANDB_SILENT", "true")

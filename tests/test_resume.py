@@ -126,6 +126,7 @@ def test_sigterm_saves_last_and_exits_143_and_the_resume_is_exact(uninterrupted,
     assert_same_run(uninterrupted, tmp_path)
 
 
+@pytest.mark.long  # CI and make test-all; a signal's save and resume: the SIGTERM test
 def test_ctrl_c_saves_last_and_exits_130_and_the_resume_is_exact(uninterrupted, tmp_path):
     proc = cli("fit", *BASE, *kill_at(27, signal.SIGINT), cwd=tmp_path, check=False)
     assert proc.returncode == 130, proc.stderr[-2000:]
@@ -147,6 +148,7 @@ def test_sigterm_during_validation_keeps_the_last_checkpoint_and_the_resume_is_e
     assert_same_run(uninterrupted, tmp_path)  # epoch 1's validation point is there, once
 
 
+@pytest.mark.long  # CI and make test-all; unreadable checkpoints: tests/test_bad_input.py
 def test_truncated_checkpoint_names_the_file_and_last_picks_a_good_one(uninterrupted, tmp_path):
     proc = cli("fit", *BASE, *kill_at(45), cwd=tmp_path, check=False)
     (run,) = run_dirs(tmp_path)

@@ -96,6 +96,7 @@ def test_rank_zero_mode_with_checkpointing_and_early_stopping_finishes_and_agree
         assert any(abs(v - single) < 1e-7 for _, v in logged)
 
 
+@pytest.mark.long  # CI and make test-all; sample predictions again, under DDP
 def test_rank_zero_writes_sample_predictions_once(checkpoint, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
