@@ -109,6 +109,7 @@ def reference(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # real fits with a reference (~11 s): make test, not test-fast
 def test_a_crash_with_a_write_in_flight_leaves_it_complete_and_resumes_exactly(reference, tmp_path):
     # Writes take 1 s and steps milliseconds: step 8's save is still being written when step 10 raises.
     slow = ["--trainer.plugins", "tests.faults.SlowWriter", "--trainer.plugins.delay", "1.0"]

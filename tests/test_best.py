@@ -23,6 +23,7 @@ def picked(caplog: pytest.LogCaptureFixture) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # four real fits (~14 s): make test, not test-fast
 def test_best_is_the_top_val_acc_file_across_a_resume_a_run_folder_gives_its_best_else_its_last(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     cli_in_process("fit", *SMALL, "--trainer.max_epochs", "3", root=tmp_path)
