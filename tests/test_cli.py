@@ -17,6 +17,7 @@ TINY = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "5
 TRAIN_SIZE = 1797 - 2 * int(1797 * 0.15)  # the digits' default train split
 
 
+@pytest.mark.long  # CI and make test-all; each subcommand: tests/test_console.py runs them in make test
 def test_each_subcommand_runs_and_reruns_never_clash(workdir):
     cli("fit", *TINY, "--model.net", "project.nets.CNN", "--model.warmup", "1", cwd=workdir)
     cli("fit", *TINY, "--model.warmup", "1", cwd=workdir)  # a second run: a new folder, no "config.yaml exists"
@@ -52,6 +53,7 @@ def test_lr_set_at_each_step_of_a_real_fit_is_the_formula_and_never_zero(workdir
     assert min(lr for _, lr in lrs) > 0
 
 
+@pytest.mark.long  # CI and make test-all; the same folder continued: every resume test asserts it
 def test_resume_from_last_continues_the_same_run(workdir):
     common = [
         *QUIET,

@@ -74,6 +74,7 @@ def interrupted_then_resumed(cwd, args, step, sig=9):
     cli("fit", *args, "--ckpt_path", "last", cwd=cwd)
 
 
+@pytest.mark.long  # CI and make test-all; epoch-end resumes: test_resume_flags.py's case in make test
 def test_resume_from_epoch_end_checkpoint_is_exact(uninterrupted, tmp_path):
     interrupted_then_resumed(tmp_path, BASE, step=45)  # the newest checkpoint: the end of epoch 2 (step 40)
     assert_same_run(uninterrupted, tmp_path)
