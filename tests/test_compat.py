@@ -128,7 +128,7 @@ def test_last_checkpoint_holds_the_final_step_after_a_refresh_during_the_fit(tmp
 
     model = Classifier(MLP(), warmup=0)
     trainer = L.Trainer(max_steps=5, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, callbacks=[Interval("0:00:00", dirpath=str(tmp_path))])  # fmt: skip
+                        limit_val_batches=0, callbacks=[Interval(timedelta(0), dirpath=str(tmp_path))])  # fmt: skip
     trainer.fit(model, DigitsDataModule())
     saved = load_checkpoint_file(tmp_path / "last.ckpt")
     assert saved["global_step"] == 5

@@ -23,10 +23,10 @@ class LastCheckpoint(ModelCheckpoint):
         dirpath: Where; ``None``: the run's ``checkpoints/`` folder.
     """
 
-    def __init__(self, train_time_interval: str = "0:10:00", dirpath: str | None = None) -> None:
+    def __init__(self, train_time_interval: timedelta = timedelta(minutes=10), dirpath: str | None = None) -> None:
         super().__init__(
             dirpath=dirpath,
-            train_time_interval=_parse_interval(train_time_interval),
+            train_time_interval=train_time_interval,  # jsonargparse reads "0:10:00" as a timedelta
             save_top_k=0,
             save_last=True,
             enable_version_counter=False,  # ModelCheckpoints writing last.ckpt share the file, never last-v1.ckpt
@@ -34,13 +34,3 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         save_last_unless_saved_at_this_step(self, trainer)
-
-
-def _parse_interval(value: str) -> timedelta:
-    try:
-        hours, minutes, seconds = (float(part) for part in value.split(":"))
-    except ValueError:
-        raise ValueError(f"train_time_interval {value!r} is not H:MM:SS, e.g. '0:10:00' for ten minutes") from None
-    if min(hours, minutes, seconds) < 0:
-        raise ValueError(f"train_time_interval {value!r} is negative; '0:00:00' saves after every step")
-    return timedelta(hours=hours, minutes=minutes, seconds=seconds)
