@@ -148,3 +148,30 @@ def test_preemption_and_ctrl_c_with_a_write_in_flight_leave_a_complete_last_chec
     folder = tmp_path / "runs" / "digits" / "version_0" / "checkpoints"
     assert not list(folder.glob("*.tmp"))
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] in (9, 10)  # the batch in flight ends
+
+
+def test_the_fast_tensor_walk_equals_lightnings_on_every_container_kind():
+    """HostSnapshot walks plain dicts, lists and tuples itself: it must give what apply_to_collection gives."""
+    import collections
+    import dataclasses
+
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    from project.engine.checkpoints import _map_tensors
+
+    @dataclasses.dataclass
+    class Holder:
+        t: torch.Tensor
+
+    Pair = collections.namedtuple("Pair", "a b")
+    checkpoint = {
+        "state_dict": collections.OrderedDict(w=torch.ones(3)),
+        "loops": {"progress": {"ready": 3, "done": [1, 2.5, None, "x"]}},
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.ones(2)}}, "param_groups": [{"lr": 0.1}]}],
+        "user": (Holder(torch.ones(1)), Pair(torch.zeros(1), True), collections.defaultdict(list, k=[torch.ones(1)])),
+    }
+    seen: list[torch.Tensor] = []
+    fast = _map_tensors(checkpoint, lambda t: seen.append(t) or t * 2)
+    assert repr(fast) == repr(apply_to_collection(checkpoint, torch.Tensor, lambda t: t * 2))
+    assert [type(x) for x in fast["user"]] == [Holder, Pair, collections.defaultdict]
+    assert type(fast["state_dict"]) is collections.OrderedDict and len(seen) == 5
