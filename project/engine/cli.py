@@ -38,6 +38,17 @@ class CLI(LightningCLI):
     run_plan: RunPlan | None = None
     unknown_loggers: list[str] = []
 
+    def __init__(self, *args: Any, only: str | None = None, **kwargs: Any) -> None:
+        self.only = only
+        super().__init__(*args, **kwargs)
+
+    def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
+        # Only the parser of the subcommand given is built: each one is the Trainer's ~60 options plus the model's
+        # and the data's, read from their signatures and docstrings (~0.1 s apiece). `python -m project --help`
+        # and a misspelt subcommand still build and list all four.
+        every = LightningCLI.subcommands()
+        return {self.only: every[self.only]} if self.only in every else every
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(Runs, "run")
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
@@ -120,8 +131,11 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
     defaults = [str(default)] if default else []
     kwargs = {"default_config_files": defaults, "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}
     quiet_console()
+    given = argv[0] if isinstance(argv, list | tuple) and argv else None
+    only = given if run and given in SUBCOMMANDS else None
     with one_line_errors():
         return CLI(
+            only=only,
             save_config_callback=SaveConfigOnce,
             # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run
             # looks finished / predict writes nothing / a dead rank ends in a traceback wall.
@@ -132,7 +146,7 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
                 ]
             },
             # The usage line, not all 60 options, above an error; --help lists them.
-            parser_kwargs={sub: kwargs for sub in SUBCOMMANDS} if run else kwargs,
+            parser_kwargs={sub: kwargs for sub in ([only] if only else SUBCOMMANDS)} if run else kwargs,
             args=args,
             run=run,
         )
