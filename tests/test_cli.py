@@ -3,6 +3,7 @@
 import json
 import math
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -133,3 +134,23 @@ def test_out_of_range_values_fail_before_training_with_one_clear_line(workdir, f
     assert proc.returncode == 2
     assert f"error: {message}" in proc.stderr and "Traceback" not in proc.stderr
     assert not (workdir / "runs").exists()  # nothing written: the run never started
+
+
+def test_only_the_given_subcommand_is_built_yet_help_and_typos_list_all_four(capsys):
+    from project.engine.cli import CLI, SUBCOMMANDS, cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--help"])
+    assert exit_info.value.code == 0
+    listed = capsys.readouterr().out
+    assert all(sub in listed for sub in SUBCOMMANDS)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fitt"])
+    assert exit_info.value.code == 2
+    assert "fitt" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["validate", "--help"])
+    assert exit_info.value.code == 0
+    assert "--ckpt_path" in capsys.readouterr().out
+    assert list(CLI.subcommands(SimpleNamespace(only="fit"))) == ["fit"]  # type: ignore[arg-type]
+    assert list(CLI.subcommands(SimpleNamespace(only=None))) == list(SUBCOMMANDS)  # type: ignore[arg-type]
