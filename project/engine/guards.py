@@ -26,8 +26,8 @@ class StopOnNonFinite(Callback):
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             return
         # One sum per gradient, not a norm: a NaN or inf anywhere makes the total non-finite. The optimizer's own
-        # parameter list, not pl_module.parameters(), which walks every submodule (metrics included): ~170 us a
-        # step on the default MLP against ~5 us.
+        # parameter list, not pl_module.parameters(), which walks every submodule (metrics included): that walk
+        # alone was ~170 us a step on the default MLP.
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads or math.isfinite(torch.stack([g.detach().sum(dtype=torch.float32) for g in grads]).sum().item()):
             return
