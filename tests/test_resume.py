@@ -138,6 +138,20 @@ def test_ctrl_c_saves_last_and_exits_130_and_the_resume_is_exact(uninterrupted, 
     assert_same_run(uninterrupted, tmp_path)
 
 
+@pytest.mark.long  # CI and make test-all; Ctrl-C at an epoch's last batch: validation would cut it short
+def test_ctrl_c_at_an_epochs_last_batch_finishes_its_validation_then_saves_last(uninterrupted, tmp_path):
+    # Step 39 is epoch 1's last batch: Lightning's stop would land after the first batch of the validation that
+    # follows, where no checkpoint resumes exactly. (CI saw this as a Ctrl-C under DDP that left no last.ckpt.)
+    proc = cli("fit", *BASE, *kill_at(39, signal.SIGINT), cwd=tmp_path, check=False)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "Interrupted: saved" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    (run,) = run_dirs(tmp_path)
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 40
+    assert [step for step, _ in scalars(run)["val/acc"]] == [19, 39]  # epoch 1's validation ran, whole
+    cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
+    assert_same_run(uninterrupted, tmp_path)
+
+
 @pytest.mark.long  # CI and make test-all; SIGTERM again, in validation
 def test_sigterm_during_validation_keeps_the_last_checkpoint_and_the_resume_is_exact(uninterrupted, tmp_path):
     fault = ["--trainer.callbacks+=tests.faults.SignalInValidation", "--trainer.callbacks.epoch=1"]

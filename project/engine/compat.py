@@ -23,9 +23,10 @@ from typing import Any
 import lightning as L
 
 
-def request_stop_at_batch_end(trainer: L.Trainer) -> None:
-    """Every rank raises Lightning's ``SIGTERMException`` at the end of the current training batch."""
-    trainer._signal_connector.received_sigterm = True
+def request_stop_at_batch_end(trainer: L.Trainer, stop: bool = True) -> None:
+    """Every rank raises Lightning's ``SIGTERMException`` at the end of the current training batch (``stop=False``
+    withdraws the request; validation also raises it after each of its batches but the last)."""
+    trainer._signal_connector.received_sigterm = stop
 
 
 def cli_section(cli: Any, config: Any, key: str) -> Any:

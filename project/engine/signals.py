@@ -30,8 +30,9 @@ class Preemption(Callback):
     Ctrl-C (SIGINT) gets the same ending: Lightning's KeyboardInterrupt handling saves nothing, and a
     KeyboardInterrupt lands wherever each rank happens to be, so no checkpoint could be gathered. Here the first
     Ctrl-C only sets a flag; at the next training batch end the ranks agree (one all-reduce of one value per step,
-    under DDP only) and Lightning's SIGTERM stop runs on all of them at the same point, after any validation in
-    progress. A second Ctrl-C aborts at once, without saving.
+    under DDP only) and Lightning's SIGTERM stop runs on all of them at the same point. A validation that starts
+    after that batch runs to its end first: Lightning would stop it after its first batch, where nothing can be
+    saved that resumes exactly. A second Ctrl-C aborts at once, without saving.
     """
 
     def __init__(self) -> None:
@@ -81,6 +82,14 @@ class Preemption(Callback):
             # epoch's validation, if this was its last batch), where the loop's progress is complete.
             request_stop_at_batch_end(trainer)
 
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._interrupted and not trainer.sanity_checking:
+            request_stop_at_batch_end(trainer, stop=False)  # the batch that Ctrl-C stopped at ends the epoch
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._interrupted and not trainer.sanity_checking:
+            request_stop_at_batch_end(trainer)  # Lightning stops right after this validation
+
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):
             return
@@ -92,7 +101,9 @@ class Preemption(Callback):
             # would be lost); the last one on disk, at most N steps old, resumes exactly.
             rank_zero_info(f"{what} during validation: kept the last checkpoint. Exit code {code}.")
         elif path is not None:
-            trainer.save_checkpoint(path)  # every rank takes part (RNG states are gathered); rank 0 writes
+            trainer.save_checkpoint(
+                path, weights_only=False
+            )  # every rank takes part (RNG states are gathered); rank 0 writes
             wait_for_writes(trainer)  # on disk before saying so (and before the exit)
             rank_zero_info(f"{what}: saved {path}; resume with --ckpt_path last. Exit code {code}.")
         exception.code = code  # SIGTERMException is a SystemExit: this becomes the exit status
