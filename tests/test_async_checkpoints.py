@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from project.engine.checkpoints import AtomicCheckpointIO
+from project.engine.checkpoints import AtomicCheckpointIO, HostSnapshot
 from project.engine.runs import find_last_checkpoint
 from tests.conftest import QUIET, cli, cli_in_process
 
@@ -66,7 +66,8 @@ def test_a_file_holds_its_save_and_a_write_in_flight_is_never_picked_by_last(tmp
     # Another save of the same point (ModelCheckpoint's best-k file) shares the host copy: it neither copies nor
     # waits for the write in flight (if it did, it would wait here until the writer gives up after 30 s). Dropped
     # from the top k at once, its removal is queued behind its write.
-    io.save_checkpoint(second, folder / "best.ckpt")
+    # Like each of Lightning's dumps, it holds small tensors made anew (RNG states): copied, without waiting.
+    io.save_checkpoint({**second, "rng": torch.tensor([1, 2, 3], dtype=torch.uint8)}, folder / "best.ckpt")
     io.remove_checkpoint(folder / "best.ckpt")
     wanted = {k: v.clone() for k, v in second["state_dict"].items()}
     for tensor in second["state_dict"].values():
@@ -84,6 +85,32 @@ def test_a_file_holds_its_save_and_a_write_in_flight_is_never_picked_by_last(tmp
     assert found is not None and found[1] == 20
     loaded = torch.load(folder / "last.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(loaded[k], v) for k, v in wanted.items())  # the state of the save, not of later steps
+
+
+def test_saves_of_one_point_share_the_weights_copy_and_wait_only_to_refill_a_buffer():
+    snapshot, waits = HostSnapshot(), []
+
+    def take(checkpoint):
+        return snapshot.take(checkpoint, before_copying=lambda: waits.append(checkpoint["global_step"]))
+
+    point = state(20, seed=0)
+    first = take({**point, "rng": torch.tensor([1, 2], dtype=torch.uint8)})
+    assert waits == [20]  # the first copy refills nothing yet, but waits all the same
+    # The same point again, with a new small tensor, as Lightning's next dump: no wait, the weights' copy shared.
+    second = take({**point, "rng": torch.tensor([3, 4], dtype=torch.uint8)})
+    assert waits == [20]
+    assert all(second["state_dict"][k] is first["state_dict"][k] for k in point["state_dict"])
+    assert second["rng"].tolist() == [3, 4] and first["rng"].tolist() == [1, 2]  # each save holds its own
+    # A new tensor as large as the weights at the same point: a second copy that size waits for the writes first.
+    take({**point, "ema": torch.zeros(64, 64)})
+    assert len(waits) == 2
+    # A tensor changed in place at the same point (its version counter moved): its buffer is refilled, after a wait.
+    point["state_dict"]["net.b"].add_(1.0)
+    third = take(point)
+    assert len(waits) == 3 and torch.equal(third["state_dict"]["net.b"], point["state_dict"]["net.b"])
+    # The next point: every tensor copied again, into the same buffers.
+    fourth = take({**state(30, seed=1), "state_dict": point["state_dict"]})
+    assert len(waits) == 4 and fourth["state_dict"]["net.w"] is first["state_dict"]["net.w"]
 
 
 def final_weights(root) -> tuple[int, dict]:

@@ -95,9 +95,14 @@ class HostSnapshot:
     The copy lands in the buffers of the previous snapshot where shapes match (no allocation, pinned for CUDA
     tensors). Saves taken at the same point of training (the best-k file, ``last.ckpt`` and the every-2-epochs file
     at one validation end: same ``global_step``, epoch and loop progress) share one copy: a tensor that has not
-    changed since (the same memory, its in-place version counter unchanged) is not copied again, so the second and
-    third saves neither copy nor wait. So there is never more than one host copy of the state.
+    changed since (the same memory, its in-place version counter unchanged) is not copied again. Each of
+    Lightning's dumps makes a few small tensors anew (RNG states, scores): those are copied into new buffers, which
+    no write in flight reads, so the second and third saves of a point do not wait for the first one's write. So
+    there is never more than one host copy of the state (plus, while a write is in flight, those small tensors of
+    the previous save: at most ``SMALL_FRACTION`` of it, else the save waits first).
     """
+
+    SMALL_FRACTION = 0.01
 
     def __init__(self) -> None:
         self._progress: Any = None
@@ -107,20 +112,25 @@ class HostSnapshot:
 
     def take(self, checkpoint: dict[str, Any], before_copying: Callable[[], None]) -> dict[str, Any]:
         """The checkpoint with every tensor replaced by its host copy (containers rebuilt, so later changes to the
-        trainer's dicts do not reach the file). ``before_copying`` runs first unless nothing has to be copied: it
-        waits for the writes still reading the buffers."""
+        trainer's dicts do not reach the file). ``before_copying`` runs first unless the copy only adds new
+        buffers, small ones: it waits for the writes still reading the buffers."""
         progress = _progress(checkpoint)
         same_point = progress is not None and _equal(progress, self._progress)
         tensors: list[torch.Tensor] = []
         _map_tensors(checkpoint, tensors.append)
         fresh = {_key(t): t for t in tensors}
-        if not (same_point and all(self._unchanged(key, t) for key, t in fresh.items())):
-            before_copying()
-            # buffers of tensors still there are refilled; the others are freed first, so the old and the new
-            # copy never both exist
-            buffers = {key: host for key, (_, _, host) in self._copies.items() if key in fresh}
-            self._copies = {}
-            for key, t in fresh.items():
+        stale = {key for key, t in fresh.items() if not (same_point and self._unchanged(key, t))}
+        if stale:
+            new_bytes = sum(_nbytes(fresh[key]) for key in stale)
+            all_bytes = sum(_nbytes(t) for t in fresh.values())
+            if not same_point or stale & self._copies.keys() or new_bytes > self.SMALL_FRACTION * all_bytes:
+                before_copying()
+            # buffers of tensors still there are refilled; the others are dropped first (freed once no write in
+            # flight holds them), so the old and the new copy never both exist
+            buffers = {key: host for key, (_, _, host) in self._copies.items() if key in stale}
+            self._copies = {key: entry for key, entry in self._copies.items() if key in fresh and key not in stale}
+            for key in stale:
+                t = fresh[key]
                 self._copies[key] = (t, _version(t), _to_host(t, buffers.pop(key, None)))
             self._progress = copy.deepcopy(progress)
         return _map_tensors(checkpoint, lambda t: self._copies[_key(t)][2])
@@ -153,6 +163,10 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def _key(t: torch.Tensor) -> tuple:
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()) if t.layout == torch.strided else ())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _version(t: torch.Tensor) -> int | None:
