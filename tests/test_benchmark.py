@@ -36,3 +36,8 @@ def test_benchmark_runs_three_sides_on_the_same_steps():
     for key in ("ratio", "ratio_vs_lightning"):
         assert summary[key]["median"] > 0 and len(summary[key]["pairs"]) == 1
     assert set(summary["extra_us_per_step"]) == {"vs_hand", "vs_lightning"}
+    # Start-up counts from the end of `import lightning` in each run's own process, before anything is built.
+    for side in (lightning, template):
+        assert 0 < side["phases_s"]["imported"] < side["phases_s"]["built"] < side["first_step_s"]
+        assert side["own_startup_s"]["median"] == side["first_step_s"] - side["phases_s"]["imported"]
+    assert hand["own_startup_s"] is None  # no Lightning there
