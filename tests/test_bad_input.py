@@ -182,6 +182,29 @@ def test_checkpoint_carrying_code_is_refused_unrun_by_fit_validate_and_export(tr
     assert snapshot(trained) == before
 
 
+def test_a_sharded_checkpoints_index_carrying_code_is_refused_unrun(tmp_path):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from project.engine.checkpoints import CheckpointLoadError
+    from project.engine.sharded import full_state_dict
+
+    good = tmp_path / "good"  # a real DCP folder: its index's classes are let through
+    dcp.save({"state_dict.w": torch.arange(4.0)}, checkpoint_id=good, no_dist=True)
+    torch.save({}, good / "meta.pt")
+    assert torch.equal(full_state_dict(good)["w"], torch.arange(4.0))
+    marker, evil = tmp_path / "payload-ran", tmp_path / "evil"
+    shutil.copytree(good, evil)
+    (evil / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    pickle.loads((evil / ".metadata").read_bytes())  # the oracle: DCP's own reader (pickle) runs it
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(CheckpointLoadError, match="could run code"):
+        full_state_dict(evil)
+    assert not marker.exists()
+
+
 def test_batch_larger_than_the_data_or_an_empty_split_stops_before_training(earlier):
     before = snapshot(earlier)
     big_batch, no_val = together(

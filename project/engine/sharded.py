@@ -17,6 +17,7 @@ checkpoint, DCP: each rank writes its own shard, no rank gathers the whole model
 ``full_state_dict`` consolidates a folder into one state dict on one process (for export), without a process group.
 """
 
+import functools
 import io
 import os
 import pickle
@@ -26,19 +27,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from project.engine.checkpoints import CheckpointLoadError
 from project.engine.compat import set_nested, shard_over_all_ranks
@@ -46,6 +37,9 @@ from project.engine.compat import set_nested, shard_over_all_ranks
 META = "meta.pt"  # Lightning's name for the non-tensor part (loops, callbacks, hyperparameters)
 INDEX = ".metadata"  # DCP's index of the shards, written by the coordinator once every rank has written
 WORLD_SIZE = "sharded_world_size"  # key in meta.pt: how many ranks wrote the folder
+# torch.distributed.checkpoint is imported where it is used: every run imports this module (the CLI checks for the
+# strategy, --ckpt_path last looks for folders), and DCP costs ~30 ms of each start-up that never uses it.
+DCP_INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 
 
 def is_sharded_checkpoint(path: _PATH) -> bool:
@@ -95,7 +89,7 @@ class _IndexUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == dcp_metadata.__name__ or module == "torch.distributed.checkpoint.filesystem":
+        if module in DCP_INDEX_MODULES:
             return super().find_class(module, name)
         if module == "torch" and isinstance(
             getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
@@ -106,7 +100,8 @@ class _IndexUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
 
 
-def read_index(path: _PATH) -> dcp_metadata.Metadata:
+def read_index(path: _PATH) -> Any:
+    """DCP's ``Metadata`` of a complete folder, read by ``_IndexUnpickler``; raises ``CheckpointLoadError``."""
     check_complete(path)
     try:
         with open(Path(path) / INDEX, "rb") as f:
@@ -117,32 +112,51 @@ def read_index(path: _PATH) -> dcp_metadata.Metadata:
         ) from None
 
 
-class _SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        metadata = read_index(self.path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+@functools.cache
+def _safe_reader_and_planner() -> tuple[type, type]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_index(self.path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
-class _SafePlanner(DefaultLoadPlanner):
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # the default unpickles with weights_only=False
-        set_nested(
-            self.original_state_dict, self.mappings[read_item.dest_index.fqn], torch.load(value, weights_only=True)
-        )
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # the default: weights_only=False
+            set_nested(
+                self.original_state_dict, self.mappings[read_item.dest_index.fqn], torch.load(value, weights_only=True)
+            )
+
+    return SafeReader, SafePlanner
 
 
 def _load(state: dict[str, Any], path: Path, single_process: bool = False) -> None:
-    dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=single_process)
+    import torch.distributed.checkpoint as dcp
+
+    reader, planner = _safe_reader_and_planner()
+    dcp.load(state, storage_reader=reader(path), planner=planner(), no_dist=single_process)
+
+
+def _tensor_shapes(path: _PATH, prefix: str) -> dict[str, Any]:
+    """The index's entry of each saved tensor whose key starts with ``prefix`` (its ``size``, ``properties``)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {
+        key: meta
+        for key, meta in read_index(path).state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def check_same_network(path: Path, model: torch.nn.Module) -> None:
     """Raises ``CheckpointLoadError`` naming each weight whose full shape differs or that only one side has."""
     saved = {
-        key.removeprefix("state_dict."): tuple(meta.size)
-        for key, meta in read_index(path).state_dict_metadata.items()
-        if key.startswith("state_dict.") and isinstance(meta, dcp_metadata.TensorStorageMetadata)
+        key.removeprefix("state_dict."): tuple(meta.size) for key, meta in _tensor_shapes(path, "state_dict.").items()
     }
     # a sharded weight (DTensor) has its full shape, so this holds before and after fully_shard
     here = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -224,6 +238,14 @@ class ShardedStrategy(ModelParallelStrategy):
                 f"{path} is a single-file checkpoint; the sharded strategy resumes from sharded folders only. "
                 "Resume it without --config configs/fsdp.yaml"
             )
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         assert self.model is not None and self.lightning_module is not None
         meta = read_meta(path)
         check_same_network(path, self.model)
@@ -252,9 +274,7 @@ def full_state_dict(path: _PATH, prefix: str = "state_dict.") -> dict[str, torch
     state), consolidated from every rank's shard on this one process."""
     path = Path(path)
     state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in read_index(path).state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(meta, dcp_metadata.TensorStorageMetadata)
+        key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in _tensor_shapes(path, prefix).items()
     }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
