@@ -18,6 +18,7 @@ output is the summary as JSON.
 """
 
 import argparse
+import ast
 import inspect
 import json
 import os
@@ -173,6 +174,7 @@ def _write_result(
     import torch
 
     result = {
+        "pid": os.getpid(),
         "phases": phases or {},
         "steps": steps,
         "train_s": train_s,
@@ -389,7 +391,12 @@ def run_side(side: str, spec: dict[str, Any], workdir: Path, args: argparse.Name
     result["first_step_s"] = result.pop("first_step_at") - launched
     result["phases_s"] = {phase: at - launched for phase, at in result.pop("phases").items()}
     if imported.is_file():
-        result["phases_s"]["imported"] = float(imported.read_text()) - launched
+        at, pid = ast.literal_eval(imported.read_text())
+        if pid != result["pid"]:
+            raise SystemExit(
+                f"the {side} run's Lightning import was timed in another process ({pid}, not {result['pid']})"
+            )
+        result["phases_s"]["imported"] = at - launched
     reached = [at for acc, at in result["val_acc"] if acc >= TARGET_ACC]
     result["time_to_target_s"] = reached[0] - launched if reached else None
     result["final_val_acc"] = result["val_acc"][-1][0] if result["val_acc"] else None
@@ -397,11 +404,13 @@ def run_side(side: str, spec: dict[str, Any], workdir: Path, args: argparse.Name
     return result
 
 
-PRELOAD = """# written by scripts/benchmark.py: the child imports Lightning first and notes when that was done
+PRELOAD = """# written by scripts/benchmark.py: the run imports Lightning first and notes when that was done
 import os, time
-import lightning  # noqa: F401
-with open(os.environ["BENCHMARK_IMPORTED"], "w") as f:
-    f.write(repr(time.time()))
+path = os.environ.pop("BENCHMARK_IMPORTED", None)  # not in the processes it starts (jsonargparse starts one)
+if path:
+    import lightning  # noqa: F401
+    with open(path, "w") as f:
+        f.write(repr((time.time(), os.getpid())))
 """
 
 
