@@ -20,6 +20,7 @@ output is the summary as JSON.
 import argparse
 import ast
 import inspect
+import itertools
 import json
 import os
 import statistics
@@ -102,13 +103,13 @@ def hand_written(spec: dict[str, Any], out: Path) -> None:
     writer = SummaryWriter("runs")
     os.makedirs("checkpoints")
 
-    step, losses, val_acc, val_s, ckpt_s, first_step_at = 0, [], [], 0.0, [], None
+    step, losses, val_acc, val_s, ckpt_s, first_step_at, step_ends = 0, [], [], 0.0, [], None, []
     start, start_cpu = time.perf_counter(), time.process_time()
     for epoch in range(spec["epochs"]):
         train_loader.sampler.set_epoch(epoch)
         net.train()
         loss_sum, correct, seen = torch.zeros(()), torch.zeros((), dtype=torch.long), 0
-        for x, y in tqdm(train_loader, desc=f"epoch {epoch}"):
+        for batch_idx, (x, y) in enumerate(tqdm(train_loader, desc=f"epoch {epoch}")):
             lr = optimizer.param_groups[0]["lr"]
             logits = net(x)  # (B, 10)
             loss = F.cross_entropy(logits, y)
@@ -125,6 +126,7 @@ def hand_written(spec: dict[str, Any], out: Path) -> None:
             loss_sum += loss.detach() * len(y)
             correct += (logits.argmax(-1) == y).sum()
             seen += len(y)
+            step_ends.append((batch_idx, time.perf_counter()))
         writer.add_scalar("train/loss_epoch", (loss_sum / seen).item(), step)
         writer.add_scalar("train/acc", (correct / seen).item(), step)
 
@@ -156,7 +158,7 @@ def hand_written(spec: dict[str, Any], out: Path) -> None:
     train_s, train_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
     writer.close()
     losses = torch.stack(losses).tolist()
-    _write_result(out, step, train_s, train_cpu_s, val_s, ckpt_s, first_step_at, losses, val_acc)
+    _write_result(out, step, train_s, train_cpu_s, val_s, ckpt_s, first_step_at, losses, val_acc, step_ends)
 
 
 def _write_result(
@@ -169,9 +171,15 @@ def _write_result(
     first_step_at,
     losses,
     val_acc,
+    step_ends,
     phases: dict[str, float] | None = None,
 ) -> None:
     import torch
+
+    # A step's time: from one batch's end to the next's, within an epoch (the first batch of an epoch also holds
+    # the previous one's validation and saves, timed apart). Unlike the total, the median is not moved by the few
+    # steps that a burst of load from elsewhere on a shared machine slows down.
+    step_s = [t - prev for (_, prev), (i, t) in itertools.pairwise(step_ends) if i > 0]
 
     result = {
         "pid": os.getpid(),
@@ -184,6 +192,7 @@ def _write_result(
         "first_step_at": first_step_at,
         "losses": losses,
         "val_acc": val_acc,
+        "step_s": statistics.median(step_s) if step_s else None,
         "threads": torch.get_num_threads(),
     }
     out.write_text(json.dumps(result))
@@ -224,6 +233,7 @@ if __name__ != "__main__":
             self.ckpt_s: list[float] = []
             self.val_s = 0.0
             self.first_step_at: float | None = None
+            self.step_ends: list[tuple[int, float]] = []
 
         def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
             save = trainer.save_checkpoint
@@ -253,6 +263,7 @@ if __name__ != "__main__":
             if self.first_step_at is None:
                 self.first_step_at = time.time()
             self.losses.append(outputs["loss"].detach())
+            self.step_ends.append((batch_idx, time.perf_counter()))
 
         def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             self.val_start = time.perf_counter()
@@ -273,7 +284,7 @@ if __name__ != "__main__":
 
             losses = torch.stack(self.losses).tolist()
             timings = (train_s, train_cpu_s, self.val_s, self.ckpt_s, self.first_step_at)
-            _write_result(self.out, trainer.global_step, *timings, losses, self.val_acc, self.phases)
+            _write_result(self.out, trainer.global_step, *timings, losses, self.val_acc, self.step_ends, self.phases)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -437,6 +448,7 @@ def side_summary(runs: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
         "steps_per_s": statistics.median(r["steps"] / r["train_s"] for r in runs),
         "train_s": med("train_s"),
         "train_cpu_s": med("train_cpu_s"),
+        "step_s": med("step_s"),
         "val_s": med("val_s"),
         "ckpt_s": statistics.median(sum(r["ckpt_s"]) for r in runs),
         "saves_per_epoch": len(runs[0]["ckpt_s"]) / epochs,
@@ -487,6 +499,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]], spec: dict[str, Any]) -> di
         "ratio_vs_lightning": ratio("train_s", "lightning"),
         "cpu_ratio_vs_lightning": ratio("train_cpu_s", "lightning"),
         "extra_us_per_step": {"vs_hand": extra_us_per_step("hand"), "vs_lightning": extra_us_per_step("lightning")},
+        "step_ratio": ratio("step_s", "hand"),
+        "step_ratio_vs_lightning": ratio("step_s", "lightning"),
+        "extra_us_per_median_step": {
+            base: spread([1e6 * (r["template"]["step_s"] - r[base]["step_s"]) for r in rounds])
+            for base in ("hand", "lightning")
+        },
         "same_steps": same_steps,
         "same_threads": all(len({s["threads"] for s in r.values()}) == 1 for r in rounds),
         "max_loss_abs_diff": max(d[1] for d in diffs.values()),
@@ -512,6 +530,7 @@ def print_table(s: dict[str, Any]) -> None:
     for label, key in (
         ("training span s", "train_s"),
         ("training span, CPU time s", "train_cpu_s"),
+        ("  one step (median) s", "step_s"),
         ("  of which validation s", "val_s"),
         ("  of which checkpoint saves s", "ckpt_s"),
     ):
@@ -540,6 +559,16 @@ def print_table(s: dict[str, Any]) -> None:
         print(
             f"template's extra wall time per optimizer step over {what}: median {r['median']:.0f} us "
             f"(min {r['min']:.0f}, max {r['max']:.0f})"
+        )
+    for key, base, what in (
+        ("step_ratio", "hand", "hand-written"),
+        ("step_ratio_vs_lightning", "lightning", "plain Lightning"),
+    ):
+        r, us = s[key], s["extra_us_per_median_step"][base]
+        pairs = ", ".join(f"{x:.3f}" for x in r["pairs"])
+        print(
+            f"template / {what}, median step (validation and epoch-end saves apart): median {r['median']:.3f} "
+            f"(min {r['min']:.3f}, max {r['max']:.3f}; rounds {pairs}); {us['median']:+.0f} us a step"
         )
     print_startup(s)
     diffs = ", ".join(f"{side} {d:.2e}" for side, d in s["loss_abs_diff_vs_hand"].items())

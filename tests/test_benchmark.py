@@ -41,3 +41,7 @@ def test_benchmark_runs_three_sides_on_the_same_steps():
         assert 0 < side["phases_s"]["imported"] < side["phases_s"]["built"] < side["first_step_s"]
         assert side["own_startup_s"]["median"] == side["first_step_s"] - side["phases_s"]["imported"]
     assert hand["own_startup_s"] is None  # no Lightning there
+    # A step's median time on every side, within the training span; the ratio within the round.
+    for side in (hand, lightning, template):
+        assert 0 < side["step_s"] * side["steps"] < side["train_s"]
+    assert summary["step_ratio_vs_lightning"]["pairs"] == [template["step_s"] / lightning["step_s"]]

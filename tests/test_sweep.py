@@ -1,6 +1,7 @@
 """Sweeps through the real CLI: trials are ordinary fit runs, a bad trial is pruned (on every rank under DDP), and a
 sweep killed mid-trial and started again ends with the trial results of an uninterrupted sweep."""
 
+import itertools
 import json
 import os
 import random
@@ -148,3 +149,25 @@ def test_a_pruned_ddp_trial_stops_every_rank_at_the_same_step(tmp_path):
     assert trial.state == optuna.trial.TrialState.PRUNED and trial.user_attrs["pruned_at_epoch"] == 0
     ranks = [yaml.safe_load((tmp_path / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks == [{"global_step": 2, "epoch": 1}] * 2, ranks
+
+
+@pytest.mark.long  # CI and make test-all; ~60 s: the same 3 trials by two workers and by one
+def test_two_workers_run_trials_at_once_each_once_with_one_workers_results(tmp_path):
+    # Every trial enqueued: which worker takes a trial does not change its parameters, so one worker is the oracle.
+    trials = [{"model.init_args.lr": lr, "model.init_args.net.init_args.dropout": 0.1} for lr in (3e-3, 1e-2, 5e-3)]
+    enqueue = ["--enqueue", json.dumps(trials)]
+    for name, workers in (("two", "2"), ("one", "1")):
+        config = str(write_sweep(tmp_path, name, 3, FIT, lower=0.0))  # none pruned
+        cli("sweep", "--config", config, *enqueue, "--workers", workers, cwd=tmp_path, timeout=900)
+    two, one = load(tmp_path, "two"), load(tmp_path, "one")
+    assert [t.number for t in two.trials] == [0, 1, 2]  # each trial taken once
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in two.trials)
+    assert results(two, 3) == results(one, 3)  # same parameters, same values at every epoch
+    for number in range(3):
+        a, b = (weights(tmp_path / "runs" / s / f"trial_{number}" / "version_0") for s in ("two", "one"))
+        assert all(torch.equal(a[k], b[k]) for k in a), f"trial {number}"
+    # Both workers took trials, and two trials ran at the same time.
+    pids = {(tmp_path / "runs" / "two" / f"trial_{n}" / "worker.lock").read_text().split()[1] for n in range(3)}
+    assert len(pids) == 2, pids
+    spans = sorted((t.datetime_start, t.datetime_complete) for t in two.trials)
+    assert any(later[0] < earlier[1] for earlier, later in itertools.pairwise(spans)), spans

@@ -48,7 +48,8 @@ class Sweep:
         pruner: Optuna pruner, deciding after each epoch's validation; ``null``: every trial runs to its end.
         seed: Sampler seed; trial N is sampled with ``seed + N``.
         startup_trials: Random trials before TPE (Optuna's default sampler) takes over.
-        enqueue: Parameter sets tried first (e.g. your current best config), each ``{dotted name: value}``.
+        enqueue: Parameter sets tried first (e.g. your current best config), each ``{dotted name: value}``; they
+            count among the ``trials``.
         root: Folder that holds the sweeps.
         storage: Optuna storage; ``null``: ``sqlite:///<root>/<name>/study.db``. When workers on several machines
             share a disk on which SQLite's locks are unreliable (NFS), a ``.journal`` file path, or a database
@@ -199,9 +200,12 @@ def take_trial(sweep: Sweep, study: optuna.Study, storage: optuna.storages.BaseS
         if lock is not None:
             print(f"sweep {sweep.name}: trial {frozen.number} was left running by a dead worker; resuming it")
             return _set_params(sweep, study, storage, frozen.number), lock
-    if len(study.trials) >= sweep.trials:
+    # Enqueued trials wait in the study until asked for: they count once taken, or ``trials`` of them (or more)
+    # would end the sweep before any ran.
+    waiting = optuna.trial.TrialState.WAITING
+    if sum(t.state != waiting for t in study.get_trials(deepcopy=False)) >= sweep.trials:
         return None
-    trial = study.ask()
+    trial = study.ask()  # the first enqueued trial still waiting, else a new one
     lock = _lock_trial(sweep.folder, trial.number)
     assert lock is not None, "a new trial's lock is free: the sweep lock is held"
     return _set_params(sweep, study, storage, trial.number), lock
