@@ -84,7 +84,7 @@ class Preemption(Callback):
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._interrupted and not trainer.sanity_checking:
-            request_stop_at_batch_end(trainer, stop=False)  # the batch that Ctrl-C stopped at ends the epoch
+            request_stop_at_batch_end(trainer, stop=False)  # else Lightning stops it after its first batch
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._interrupted and not trainer.sanity_checking:
@@ -98,12 +98,15 @@ class Preemption(Callback):
         what = "Interrupted" if self._interrupted else "Preempted"
         if trainer.validating or trainer.sanity_checking:
             # A checkpoint taken mid-validation resumes past that validation (its metric point and top-k check
-            # would be lost); the last one on disk, at most N steps old, resumes exactly.
-            rank_zero_info(f"{what} during validation: kept the last checkpoint. Exit code {code}.")
+            # would be lost); the newest one on disk, what --ckpt_path last takes, resumes exactly. (Ctrl-C waits
+            # for the validation to end; a preemption may not have that long.)
+            rank_zero_info(
+                f"{what} during validation: nothing saved, the checkpoints on disk kept; resume with --ckpt_path "
+                f"last (the newest). Exit code {code}."
+            )
         elif path is not None:
-            trainer.save_checkpoint(
-                path, weights_only=False
-            )  # every rank takes part (RNG states are gathered); rank 0 writes
+            # every rank takes part (RNG states are gathered); rank 0 writes
+            trainer.save_checkpoint(path, weights_only=False)
             wait_for_writes(trainer)  # on disk before saying so (and before the exit)
             rank_zero_info(f"{what}: saved {path}; resume with --ckpt_path last. Exit code {code}.")
         exception.code = code  # SIGTERMException is a SystemExit: this becomes the exit status
