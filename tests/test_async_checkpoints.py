@@ -101,8 +101,8 @@ def test_saves_of_one_point_share_the_weights_copy_and_wait_only_to_refill_a_buf
     assert waits == [20]
     assert all(second["state_dict"][k] is first["state_dict"][k] for k in point["state_dict"])
     assert second["rng"].tolist() == [3, 4] and first["rng"].tolist() == [1, 2]  # each save holds its own
-    # A new tensor as large as the weights at the same point: a second copy that size waits for the writes first.
-    take({**point, "ema": torch.zeros(64, 64)})
+    # A large new tensor at the same point (over 1 MiB and 1% of the state): it waits for the writes first.
+    take({**point, "ema": torch.zeros(512, 1024)})
     assert len(waits) == 2
     # A tensor changed in place at the same point (its version counter moved): its buffer is refilled, after a wait.
     point["state_dict"]["net.b"].add_(1.0)

@@ -99,10 +99,10 @@ class HostSnapshot:
     Lightning's dumps makes a few small tensors anew (RNG states, scores): those are copied into new buffers, which
     no write in flight reads, so the second and third saves of a point do not wait for the first one's write. So
     there is never more than one host copy of the state (plus, while a write is in flight, those small tensors of
-    the previous save: at most ``SMALL_FRACTION`` of it, else the save waits first).
+    the previous save: at most 1% of it or 1 MiB, else the save waits first).
     """
 
-    SMALL_FRACTION = 0.01
+    SMALL_FRACTION, SMALL_BYTES = 0.01, 2**20
 
     def __init__(self) -> None:
         self._progress: Any = None
@@ -123,7 +123,8 @@ class HostSnapshot:
         if stale:
             new_bytes = sum(_nbytes(fresh[key]) for key in stale)
             all_bytes = sum(_nbytes(t) for t in fresh.values())
-            if not same_point or stale & self._copies.keys() or new_bytes > self.SMALL_FRACTION * all_bytes:
+            small = new_bytes <= max(self.SMALL_FRACTION * all_bytes, self.SMALL_BYTES)
+            if not same_point or stale & self._copies.keys() or not small:
                 before_copying()
             # buffers of tensors still there are refilled; the others are dropped first (freed once no write in
             # flight holds them), so the old and the new copy never both exist
