@@ -121,8 +121,8 @@ class HostSnapshot:
         fresh = {_key(t): t for t in tensors}
         stale = {key for key, t in fresh.items() if not (same_point and self._unchanged(key, t))}
         if stale:
-            new_bytes = sum(_nbytes(fresh[key]) for key in stale)
-            all_bytes = sum(_nbytes(t) for t in fresh.values())
+            new_bytes = sum(fresh[key].nbytes for key in stale)
+            all_bytes = sum(t.nbytes for t in fresh.values())
             small = new_bytes <= max(self.SMALL_FRACTION * all_bytes, self.SMALL_BYTES)
             if not same_point or stale & self._copies.keys() or not small:
                 before_copying()
@@ -164,10 +164,6 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def _key(t: torch.Tensor) -> tuple:
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()) if t.layout == torch.strided else ())
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -26,6 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal
 
+# torch.distributed.checkpoint is imported in the functions that use it: every run imports this module (the CLI
+# checks for the strategy, --ckpt_path last looks for folders), and DCP costs ~30 ms of each start-up.
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -37,8 +39,6 @@ from project.engine.compat import set_nested, shard_over_all_ranks
 META = "meta.pt"  # Lightning's name for the non-tensor part (loops, callbacks, hyperparameters)
 INDEX = ".metadata"  # DCP's index of the shards, written by the coordinator once every rank has written
 WORLD_SIZE = "sharded_world_size"  # key in meta.pt: how many ranks wrote the folder
-# torch.distributed.checkpoint is imported where it is used: every run imports this module (the CLI checks for the
-# strategy, --ckpt_path last looks for folders), and DCP costs ~30 ms of each start-up that never uses it.
 DCP_INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 
 
@@ -142,8 +142,8 @@ def _load(state: dict[str, Any], path: Path, single_process: bool = False) -> No
     dcp.load(state, storage_reader=reader(path), planner=planner(), no_dist=single_process)
 
 
-def _tensor_shapes(path: _PATH, prefix: str) -> dict[str, Any]:
-    """The index's entry of each saved tensor whose key starts with ``prefix`` (its ``size``, ``properties``)."""
+def _saved_tensors(path: _PATH, prefix: str) -> dict[str, Any]:
+    """The index's entry (``size``, ``properties``) of each saved tensor whose key starts with ``prefix``."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     return {
@@ -156,7 +156,7 @@ def _tensor_shapes(path: _PATH, prefix: str) -> dict[str, Any]:
 def check_same_network(path: Path, model: torch.nn.Module) -> None:
     """Raises ``CheckpointLoadError`` naming each weight whose full shape differs or that only one side has."""
     saved = {
-        key.removeprefix("state_dict."): tuple(meta.size) for key, meta in _tensor_shapes(path, "state_dict.").items()
+        key.removeprefix("state_dict."): tuple(meta.size) for key, meta in _saved_tensors(path, "state_dict.").items()
     }
     # a sharded weight (DTensor) has its full shape, so this holds before and after fully_shard
     here = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -274,7 +274,7 @@ def full_state_dict(path: _PATH, prefix: str = "state_dict.") -> dict[str, torch
     state), consolidated from every rank's shard on this one process."""
     path = Path(path)
     state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in _tensor_shapes(path, prefix).items()
+        key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in _saved_tensors(path, prefix).items()
     }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
