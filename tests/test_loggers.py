@@ -30,6 +30,28 @@ def test_values_wait_until_a_flush_then_all_are_written_in_order(tmp_path):
     assert all(abs(v - e) < 1e-7 for (_, v), (_, e) in zip(got, expected, strict=True))
 
 
+def test_the_throttled_logger_takes_every_argument_of_lightnings_logger_and_the_writer_typed():
+    """Its signature lists them rather than taking **kwargs (start-up): an argument a Lightning or torch upgrade
+    adds, or a default it changes, must show here, not be silently missing from the CLI."""
+    import inspect
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from torch.utils.tensorboard import SummaryWriter
+
+    mine = inspect.signature(ThrottledTensorBoardLogger).parameters
+    lightnings = inspect.signature(TensorBoardLogger).parameters
+    writers = inspect.signature(SummaryWriter).parameters
+    theirs = {**{n: p for n, p in writers.items() if n != "log_dir"}, **lightnings}  # log_dir: Lightning sets it
+    for name, param in theirs.items():
+        if param.kind is param.VAR_KEYWORD:
+            continue
+        assert name in mine, f"ThrottledTensorBoardLogger lacks {name}, an argument of {param}"
+        if name != "max_queue":  # unbounded here, on purpose
+            assert mine[name].default == param.default, f"{name}: default {mine[name].default} != {param.default}"
+    assert all(p.annotation is not p.empty and p.kind is p.POSITIONAL_OR_KEYWORD for p in mine.values())
+    assert mine["max_queue"].default == 0
+
+
 # 3 epochs of 5 steps; last.ckpt at each epoch end: a crash at step 12 resumes from step 10
 ARGS = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "5", "--trainer.limit_val_batches", "1",
         "--model.warmup", "1"]  # fmt: skip
