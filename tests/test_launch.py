@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from project.engine.runs import find_last_checkpoint
 from tests.conftest import DDP2, QUIET, REPO, run_dirs, scalars
 from tests.test_summary import SUMMARY
 
@@ -318,8 +319,8 @@ def test_sigusr1_makes_lightning_checkpoint_and_requeue_and_the_requeued_job_res
             start_new_session=True,
         )
     try:
-        last = tmp_path / "runs" / "digits" / "version_0" / "checkpoints" / "last.ckpt"  # written at SIGTERM below
-        wait_for(lambda: any(last.parent.glob("*.ckpt")), 120, "the first epoch's checkpoint")
+        checkpoints = tmp_path / "runs" / "digits" / "version_0" / "checkpoints"
+        wait_for(lambda: any(checkpoints.glob("*.ckpt")), 120, "the first epoch's checkpoint")
         job.send_signal(signal.SIGUSR1)  # what --signal=SIGUSR1@90 delivers 90 s before the time limit
         calls = tmp_path / "scontrol.calls"
         wait_for(calls.is_file, 60, "scontrol requeue")
@@ -327,8 +328,11 @@ def test_sigusr1_makes_lightning_checkpoint_and_requeue_and_the_requeued_job_res
         assert list((tmp_path / "runs" / "digits" / "version_0").glob("hpc_ckpt_*.ckpt"))  # in the run, not the cwd
         job.send_signal(signal.SIGTERM)  # what the requeue then does to the running job
         job.wait(timeout=120)
-        # The requeued job runs the same line, and --ckpt_path last continues the same run folder.
-        epochs_done = torch.load(last, weights_only=True)["epoch"] + 1
+        # The requeued job runs the same line, and --ckpt_path last continues the same run folder: from last.ckpt,
+        # saved at the SIGTERM, or, when it came during a validation (which saves nothing), from the newest file.
+        found = find_last_checkpoint(tmp_path / "runs" / "digits")
+        assert found is not None, "no checkpoint to continue from"
+        epochs_done = torch.load(found[0], weights_only=True)["epoch"] + 1
         one_more = ["--trainer.max_epochs", str(epochs_done + 1)]
         requeued = subprocess.run(
             ["bash", str(SBATCH), *QUIET, *ENDLESS, "--trainer.accelerator", "cpu", *one_more],
