@@ -2,16 +2,14 @@
 ``--ckpt_path last`` picks, removals wait for their writes, and every write is finished before fit returns or
 raises, before a preemption exit; a kill during a write resumes from the previous complete file, bit-exact."""
 
-import os
 import random
 import signal
-import sys
 import threading
 
 import pytest
 import torch
 
-from project.engine.checkpoints import WRITER_NICE, AtomicCheckpointIO, HostSnapshot
+from project.engine.checkpoints import AtomicCheckpointIO, HostSnapshot
 from project.engine.runs import find_last_checkpoint
 from tests.conftest import QUIET, cli, cli_in_process
 
@@ -87,22 +85,6 @@ def test_a_file_holds_its_save_and_a_write_in_flight_is_never_picked_by_last(tmp
     assert found is not None and found[1] == 20
     loaded = torch.load(folder / "last.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(loaded[k], v) for k, v in wanted.items())  # the state of the save, not of later steps
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are set on Linux only")
-def test_the_writer_thread_runs_below_the_training_loops_priority_and_the_loop_keeps_its_own(tmp_path):
-    class NiceRecorder(AtomicCheckpointIO):
-        def _write(self, checkpoint, f) -> None:
-            self.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-            super()._write(checkpoint, f)
-
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    io = NiceRecorder()
-    io.save_checkpoint(state(1, 0), tmp_path / "a.ckpt")
-    io.teardown()
-    assert io.nice == min(before + WRITER_NICE, 19)  # nice values add up: relative to the process's own
-    assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the process (and this, the loop's thread) unchanged
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
 def test_saves_of_one_point_share_the_weights_copy_and_wait_only_to_refill_a_buffer():

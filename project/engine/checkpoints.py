@@ -1,13 +1,11 @@
 """Checkpoint files: written so that a kill or a full disk at any moment cannot corrupt them, read so that a file
 from anywhere cannot run code."""
 
-import contextlib
 import copy
 import os
 import pickle
 import re
 import sys
-import threading
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -21,8 +19,6 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
-
-WRITER_NICE = 10  # the background writer's CPU priority, added to the loop's: below it, not starved (+19)
 
 
 class CheckpointLoadError(ValueError):
@@ -319,15 +315,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def _yield_to_training() -> None:
-    """Runs in the writer thread: lowers its CPU priority by WRITER_NICE, so that where cores are short the training
-    loop runs first and the write takes the time left. On a 2-core machine the writes' CPU otherwise slowed the
-    steps they overlapped: at hidden 2048, runs alternating with and without it took 0.94x the median step time
-    with it. When the loop waits for a write (a save needing the buffers, the end of fit), the write has the
-    cores to itself. Linux only: elsewhere a thread id is not a process id that setpriority takes."""
-    if sys.platform == "linux":
-        thread = threading.get_native_id()
-        with contextlib.suppress(OSError):  # not allowed in some sandboxes: the write competes as before
-            os.setpriority(os.PRIO_PROCESS, thread, min(os.getpriority(os.PRIO_PROCESS, thread) + WRITER_NICE, 19))
+    """Lowers the writer thread's CPU priority, so that a busy machine runs the training loop first."""
+    if os.environ.get("NICE_WRITER", "1") != "0" and hasattr(os, "setpriority"):
+        import threading
+
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def wait_for_writes(trainer: Any) -> None:
