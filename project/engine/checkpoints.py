@@ -272,9 +272,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> None:
         if self._writer is None:
-            self._writer = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="checkpoint-writer", initializer=_yield_to_training
-            )
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._queued.append(self._writer.submit(fn, *args))
 
     def _raise_failed_write(self) -> None:
@@ -312,14 +310,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not Path(path).is_file():
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return load_checkpoint_file(path, map_location=map_location)
-
-
-def _yield_to_training() -> None:
-    """Lowers the writer thread's CPU priority, so that a busy machine runs the training loop first."""
-    if os.environ.get("NICE_WRITER", "1") != "0" and hasattr(os, "setpriority"):
-        import threading
-
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def wait_for_writes(trainer: Any) -> None:
