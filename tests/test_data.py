@@ -1,5 +1,6 @@
 """The digits DataModule and the samplers that make DDP evaluation exact and resumes land on the same batch."""
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -26,8 +27,6 @@ def test_split_is_deterministic_disjoint_and_complete():
 
 
 def test_digits_are_scikit_learns_read_directly_or_through_it_when_the_file_moves(monkeypatch):
-    import sys
-
     from sklearn.datasets import load_digits as sklearn_load_digits
 
     expected = sklearn_load_digits()
