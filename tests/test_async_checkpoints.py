@@ -202,3 +202,115 @@ def test_the_fast_tensor_walk_equals_lightnings_on_every_container_kind():
     assert repr(fast) == repr(apply_to_collection(checkpoint, torch.Tensor, lambda t: t * 2))
     assert [type(x) for x in fast["user"]] == [Holder, Pair, collections.defaultdict]
     assert type(fast["state_dict"]) is collections.OrderedDict and len(seen) == 5
+
+
+def test_saves_of_one_point_are_one_file_with_the_last_ones_state_written_when_training_moves_on(tmp_path):
+    io = AtomicCheckpointIO()
+    io.hold_points = True  # as OneFilePerPoint sets it during fit
+    dropped = tmp_path / "best-old.ckpt"
+    dropped.write_bytes(b"an older best-k file")
+    point = state(20, seed=0)
+    # One validation end: the best-k file (dropping its worst), then the every-2-epochs file, whose dump holds
+    # both callbacks' records; a file saved, removed and saved again at this point is kept.
+    io.save_checkpoint({**point, "callbacks": {"best": "best.ckpt"}}, tmp_path / "best.ckpt")
+    io.remove_checkpoint(dropped)
+    io.save_checkpoint({**point, "callbacks": {"best": "best.ckpt"}}, tmp_path / "again.ckpt")
+    io.remove_checkpoint(tmp_path / "again.ckpt")
+    last = {**point, "callbacks": {"best": "best.ckpt", "every": "epoch.ckpt"}}
+    io.save_checkpoint(last, tmp_path / "epoch.ckpt")
+    io.save_checkpoint(last, tmp_path / "again.ckpt")
+    names = ["best.ckpt", "epoch.ckpt", "again.ckpt"]
+    assert not any((tmp_path / n).exists() for n in names) and dropped.exists()  # held: the point may go on
+    wanted = {k: v.clone() for k, v in point["state_dict"].items()}
+    for tensor in point["state_dict"].values():
+        tensor.mul_(0.5)  # training moves on, changing the live tensors in place
+    io.close_point()
+    io.wait()
+    assert not dropped.exists() and not list(tmp_path.glob("*.tmp"))
+    inodes = {(tmp_path / n).stat().st_ino for n in names}
+    assert len(inodes) == 1 and (tmp_path / "best.ckpt").stat().st_nlink == 3  # one file, written once
+    saved = torch.load(tmp_path / "best.ckpt", weights_only=True)
+    assert saved["callbacks"] == last["callbacks"]  # the last save's: the best-k file knows the every-2 file
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in wanted.items())
+
+    # The next point's save writes the held one first (its buffers are refilled), and is then held itself.
+    io.save_checkpoint({**point, "callbacks": {"best": "b2.ckpt"}}, tmp_path / "b2.ckpt")
+    io.save_checkpoint(state(30, seed=1), tmp_path / "last.ckpt")
+    assert (tmp_path / "b2.ckpt").exists() and not (tmp_path / "last.ckpt").exists()
+    io.teardown()  # the end of fit: written
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 30
+
+
+def test_where_hard_links_fail_each_name_of_a_point_is_written_in_full(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def no_links(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_links)
+    io = AtomicCheckpointIO()
+    io.hold_points = True
+    point = state(20, seed=0)
+    io.save_checkpoint(point, tmp_path / "best.ckpt")
+    io.save_checkpoint(point, tmp_path / "epoch.ckpt")
+    io.teardown()
+    best, epoch = tmp_path / "best.ckpt", tmp_path / "epoch.ckpt"
+    assert not os.path.samefile(best, epoch) and best.read_bytes() == epoch.read_bytes()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_outside_a_fit_every_save_is_written_at_once(tmp_path):
+    io = AtomicCheckpointIO()  # hold_points off: no callback will say when training moves on
+    point = state(20, seed=0)
+    io.save_checkpoint(point, tmp_path / "a.ckpt")
+    io.save_checkpoint(point, tmp_path / "b.ckpt")
+    io._queued[-1].result(timeout=30)  # queued at once, without waiting for a point to close
+    assert (tmp_path / "a.ckpt").exists() and (tmp_path / "b.ckpt").exists()
+    io.teardown()
+
+
+def _same(a, b, path: str = "") -> list[str]:
+    """Where two checkpoints differ (tensors compared exactly, run roots in strings ignored)."""
+    if isinstance(a, torch.Tensor):
+        return [] if isinstance(b, torch.Tensor) and torch.equal(a, b) else [path]
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or a.keys() != b.keys():
+            return [path]
+        return [d for k in a for d in _same(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, list | tuple):
+        if type(a) is not type(b) or len(a) != len(b):
+            return [path]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _same(x, y, f"{path}/{i}")]
+    return [] if a == b else [path]
+
+
+@pytest.mark.slow  # two 4-epoch fits (~10 s)
+def test_a_validations_files_are_one_file_equal_to_the_last_one_synchronous_saves_write(tmp_path):
+    """The oracle: the same fit with synchronous saves, where Lightning writes each file of a validation in turn
+    and the every-2-epochs file, written after the best-k file, holds both callbacks' records."""
+    import os
+
+    args = [*QUIET, "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches",
+            "2", "--model.net.init_args.hidden_sizes", "[32]", "--model.warmup", "1"]  # fmt: skip
+    cli_in_process("fit", *args, root=tmp_path / "bg")
+    cli_in_process("fit", *args, "--trainer.plugins.background", "false", root=tmp_path / "sync")
+    bg, sync = (tmp_path / r / "digits" / "version_0" / "checkpoints" for r in ("bg", "sync"))
+    names = sorted(p.name for p in bg.glob("*.ckpt"))
+    assert names == sorted(p.name for p in sync.glob("*.ckpt"))
+
+    def load(folder, name):
+        text = repr  # run roots differ between the two runs: compare paths relative to them
+        saved = torch.load(folder / name, weights_only=True)
+        saved["callbacks"] = text(saved["callbacks"]).replace(str(folder.parents[2]), "<root>")
+        return saved
+
+    linked = [(b, e) for b in names for e in names if b.startswith("best-epoch") and e == b[5:13] + ".ckpt"]
+    assert len(linked) == 2, names  # epochs 1 and 3: each saved by the best-3 and the every-2-epochs callback
+    for best, every in linked:
+        assert os.path.samefile(bg / best, bg / every)
+        assert _same(load(bg, best), load(sync, every)) == []  # the state after both saves
+        assert _same(load(bg, best), load(sync, best)) == ["/callbacks"]  # Lightning's first file lacks the second
+    for name in names:  # the others: each its own file, equal to Lightning's
+        if not any(name in pair for pair in linked):
+            assert (bg / name).stat().st_nlink == 1 and _same(load(bg, name), load(sync, name)) == [], name

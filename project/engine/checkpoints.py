@@ -6,15 +6,19 @@ import os
 import pickle
 import re
 import sys
+import threading
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import lightning as L
 import torch
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -106,6 +110,7 @@ class HostSnapshot:
 
     def __init__(self) -> None:
         self._progress: Any = None
+        self.same_point = False  # the last take was at the same point of training as the one before it
         # id of the source's memory -> (source, its version when copied, the host copy). The source is held so that
         # its memory cannot be freed and reused by another tensor with the same key.
         self._copies: dict[tuple, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
@@ -115,7 +120,7 @@ class HostSnapshot:
         trainer's dicts do not reach the file). ``before_copying`` runs first unless the copy only adds new
         buffers, small ones: it waits for the writes still reading the buffers."""
         progress = _progress(checkpoint)
-        same_point = progress is not None and _equal(progress, self._progress)
+        same_point = self.same_point = progress is not None and _equal(progress, self._progress)
         tensors: list[torch.Tensor] = []
         _map_tensors(checkpoint, tensors.append)
         fresh = {_key(t): t for t in tensors}
@@ -197,6 +202,15 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
+@dataclass
+class _Point:
+    """The saves of one point of training held back until training moves on: written once, under every name."""
+
+    checkpoint: dict[str, Any]  # the last save's: every callback's state as it stands after all of them saved
+    paths: list[Path]
+    removals: list[Path] = field(default_factory=list)  # done after the write, as they were asked for after saves
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes ``<name>.tmp`` beside the target, fsyncs it and renames it over the target; in the background.
 
@@ -216,18 +230,31 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     (``teardown``), before a preemption or Ctrl-C exit (``signals``), and before a checkpoint is loaded. A failed
     background write is raised at the next save or at the end of ``fit``.
 
+    Saves of one point of training (the best-k file and the every-2-epochs file of one validation: the same step,
+    loop state and tensors) are one file under several names, hard links, written once. While ``OneFilePerPoint``
+    (an engine callback) runs, such saves are held until training moves on (the next batch or epoch, the end of
+    ``fit``, a signal), so that the file holds the last of them, whose callback states include every file of that
+    point; a save while another of its point is already being written is written on its own. Where the folder
+    cannot hard-link (another filesystem, some network mounts), each name is written in full.
+
+    The zip's CRC-32 of each record is not computed (``crc32``): ``torch.load`` never checks it, and it was half
+    of a write's CPU time. Tools that verify zip archives (``unzip -t``) then report the records as damaged.
+
     Loading always uses ``weights_only=True`` (see ``load_checkpoint_file``), whatever ``--weights_only`` says.
 
     Args:
         background: Write in a background thread; ``false``: the loop waits for each whole save (write and fsync).
+        crc32: Compute the zip archive's CRC-32 checksums, for tools that check them; ``torch.load`` does not.
     """
 
-    def __init__(self, background: bool = True) -> None:
+    def __init__(self, background: bool = True, crc32: bool = False) -> None:
         super().__init__()
-        self.background = background
+        self.background, self.crc32 = background, crc32
+        self.hold_points = False  # set by OneFilePerPoint while it calls close_point when training moves on
         self._snapshot = HostSnapshot()
         self._writer: ThreadPoolExecutor | None = None
         self._queued: list[Future] = []  # writes and removals in flight, in order
+        self._held: _Point | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         # SLURM's hpc_ckpt: Lightning requeues the job right after this returns, and the job is killed soon after,
@@ -238,17 +265,39 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 return super().save_checkpoint(checkpoint, path, storage_options)
             return self._save_atomically(checkpoint, Path(path))
         self._raise_failed_write()
-        on_host = self._snapshot.take(checkpoint, before_copying=self.wait)
-        self._submit(self._save_atomically, on_host, Path(path))
+        on_host = self._snapshot.take(checkpoint, before_copying=self.wait)  # a wait writes what is held first
+        path = Path(path)
+        if self._held is not None and self._snapshot.same_point:
+            held = self._held
+            held.checkpoint = on_host
+            held.paths += [] if path in held.paths else [path]
+            held.removals = [p for p in held.removals if p != path]  # saved again after its removal: kept
+            return
+        self.close_point()
+        if self.hold_points:
+            self._held = _Point(on_host, [path])
+        else:
+            self._submit(self._save_atomically, on_host, path)
 
     def remove_checkpoint(self, path: _PATH) -> None:
-        if self._queued:
+        if self._held is not None:
+            self._held.removals.append(Path(path))
+        elif self._queued:
             self._submit(super().remove_checkpoint, path)  # after the writes queued before it, this file's too
         else:
             super().remove_checkpoint(path)
 
+    def close_point(self) -> None:
+        """Training moved on: the saves held for the point just left are queued for the writer."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._submit(self._save_atomically, held.checkpoint, *held.paths)
+            for path in held.removals:
+                self._submit(super().remove_checkpoint, path)
+
     def wait(self) -> None:
-        """Returns once every queued write and removal is done; raises the first that failed."""
+        """Returns once every save (held ones too) and removal is done; raises the first that failed."""
+        self.close_point()
         queued, self._queued = self._queued, []
         errors = [f.exception() for f in queued]
         error = next((e for e in errors if e is not None), None)
@@ -279,29 +328,56 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if any(f.done() and f.exception() is not None for f in self._queued):
             self.wait()
 
-    def _save_atomically(self, checkpoint: dict[str, Any], path: Path) -> None:
-        tmp = path.with_name(f"{path.name}.tmp")
+    def _save_atomically(self, checkpoint: dict[str, Any], path: Path, *same: Path) -> None:
+        """Writes ``path`` (and ``same``, hard links to it) through ``.tmp`` files renamed over them."""
+        tmps: list[Path] = []
+        current = path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            tmps.append(tmp := path.with_name(f"{path.name}.tmp"))
             with open(tmp, "wb") as f:
                 self._write(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            for current in same:
+                current.parent.mkdir(parents=True, exist_ok=True)
+                tmps.append(link := current.with_name(f"{current.name}.tmp"))
+                link.unlink(missing_ok=True)
+                try:
+                    os.link(tmp, link)
+                except OSError:  # no hard links there (another filesystem, some network mounts): a copy of its own
+                    with open(link, "wb") as f:
+                        self._write(checkpoint, f)
+                        f.flush()
+                        os.fsync(f.fileno())
+            for name, written in zip((*same, path), (*tmps[1:], tmp), strict=True):
+                current = name
+                os.replace(written, name)
         except OSError as error:
-            tmp.unlink(missing_ok=True)
+            for written in tmps:
+                written.unlink(missing_ok=True)
             raise OSError(
                 error.errno,
-                f"could not save the checkpoint {path.name} in {path.parent} ({error.strerror or error}); the "
+                f"could not save the checkpoint {current.name} in {current.parent} ({error.strerror or error}); the "
                 "checkpoints already there are intact. Free space there (or make it writable), then resume with "
                 "--ckpt_path last",
             ) from error
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            for written in tmps:
+                written.unlink(missing_ok=True)
             raise
 
     def _write(self, checkpoint: dict[str, Any], f: BinaryIO) -> None:  # tests.faults.DiskFullOnSave cuts it short
-        torch.save(checkpoint, f)
+        if self.crc32:
+            torch.save(checkpoint, f)
+            return
+        with _CRC32_SETTING:  # torch reads its process-wide setting as it opens the archive
+            before = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+            try:
+                torch.save(checkpoint, f)
+            finally:
+                torch.serialization.set_crc32_options(before)
 
     def load_checkpoint(self, path: _PATH, map_location: Any = "cpu", weights_only: bool | None = None) -> dict:
         self.wait()
@@ -310,6 +386,41 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not Path(path).is_file():
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return load_checkpoint_file(path, map_location=map_location)
+
+
+_CRC32_SETTING = threading.Lock()
+
+
+class OneFilePerPoint(Callback):
+    """Tells the template's checkpoint writer (``AtomicCheckpointIO``) when training moves on from a point, so that
+    the saves of that point (the best-k, every-2-epochs and ``last.ckpt`` files of one validation) are written as
+    one file under their names, holding the state after the last of them. Held between a validation's end and the
+    next training batch (or epoch start, or the end of ``fit``): a kill in between loses that point's files, as a
+    kill during their write would."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AtomicCheckpointIO) and stage == "fit":
+            io.hold_points = True
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close(trainer)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._close(trainer)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AtomicCheckpointIO):
+            io.hold_points = False
+            io.close_point()
+
+    def _close(self, trainer: L.Trainer) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AtomicCheckpointIO):
+            io.close_point()
 
 
 def wait_for_writes(trainer: Any) -> None:

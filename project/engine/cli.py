@@ -15,7 +15,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.utilities import rank_zero_only
 
 from project.engine.after_fit import test_best
-from project.engine.checkpoints import check_fits
+from project.engine.checkpoints import OneFilePerPoint, check_fits
 from project.engine.compat import cli_section
 from project.engine.config import SaveConfigOnce, default_config_candidates, find_default_config
 from project.engine.console import quiet_console
@@ -145,10 +145,12 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
                 only=only,
                 save_config_callback=SaveConfigOnce,
                 # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run
-                # looks finished / predict writes nothing / a dead rank ends in a traceback wall.
+                # looks finished / predict writes nothing / a dead rank ends in a traceback wall / the saves of one
+                # validation are written once each.
                 trainer_defaults={
                     "callbacks": [
                         *(ExactResume(), Preemption(), StopOnNonFinite(), RankFailures(), DestroyProcessGroup()),
+                        OneFilePerPoint(),
                         PredictionWriter(),
                     ]
                 },
