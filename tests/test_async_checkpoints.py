@@ -219,6 +219,7 @@ def test_saves_of_one_point_are_one_file_with_the_last_ones_state_written_when_t
     last = {**point, "callbacks": {"best": "best.ckpt", "every": "epoch.ckpt"}}
     io.save_checkpoint(last, tmp_path / "epoch.ckpt")
     io.save_checkpoint(last, tmp_path / "again.ckpt")
+    io.save_checkpoint(last, tmp_path / "last.ckpt")  # the time-interval refresh, due at this validation
     names = ["best.ckpt", "epoch.ckpt", "again.ckpt"]
     assert not any((tmp_path / n).exists() for n in names) and dropped.exists()  # held: the point may go on
     wanted = {k: v.clone() for k, v in point["state_dict"].items()}
@@ -232,6 +233,10 @@ def test_saves_of_one_point_are_one_file_with_the_last_ones_state_written_when_t
     saved = torch.load(tmp_path / "best.ckpt", weights_only=True)
     assert saved["callbacks"] == last["callbacks"]  # the last save's: the best-k file knows the every-2 file
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in wanted.items())
+    # last.ckpt, rewritten under its name at each refresh, is a file of its own with the same bytes
+    assert (tmp_path / "last.ckpt").stat().st_nlink == 1
+    assert (tmp_path / "last.ckpt").read_bytes() == (tmp_path / "best.ckpt").read_bytes()
+    (tmp_path / "last.ckpt").unlink()
 
     # The next point's save writes the held one first (its buffers are refilled), and is then held itself.
     io.save_checkpoint({**point, "callbacks": {"best": "b2.ckpt"}}, tmp_path / "b2.ckpt")

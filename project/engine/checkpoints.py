@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 import lightning as L
 import torch
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -234,8 +234,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     loop state and tensors) are one file under several names, hard links, written once. While ``OneFilePerPoint``
     (an engine callback) runs, such saves are held until training moves on (the next batch or epoch, the end of
     ``fit``, a signal), so that the file holds the last of them, whose callback states include every file of that
-    point; a save while another of its point is already being written is written on its own. Where the folder
-    cannot hard-link (another filesystem, some network mounts), each name is written in full.
+    point; a save while another of its point is already being written is written on its own. ``last.ckpt``, which
+    each refresh rewrites under the same name, is never linked. Where the folder cannot hard-link (another
+    filesystem, some network mounts), each name is written in full.
 
     The zip's CRC-32 of each record is not computed (``crc32``): ``torch.load`` never checks it, and it was half
     of a write's CPU time. Tools that verify zip archives (``unzip -t``) then report the records as damaged.
@@ -291,7 +292,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         """Training moved on: the saves held for the point just left are queued for the writer."""
         held, self._held = self._held, None
         if held is not None:
-            self._submit(self._save_atomically, held.checkpoint, *held.paths)
+            # last.ckpt is rewritten under its name at each refresh: never linked, since a writer that rewrites a
+            # file in place (Lightning's own, when its temporary folder is on another filesystem) would also
+            # change the files linked to it; the others' names are new each time
+            alone = [p for p in held.paths if p.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)]
+            shared = [p for p in held.paths if p not in alone]
+            for paths in ([shared] if shared else []) + [[p] for p in alone]:
+                self._submit(self._save_atomically, held.checkpoint, *paths)
             for path in held.removals:
                 self._submit(super().remove_checkpoint, path)
 
