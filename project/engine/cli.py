@@ -23,6 +23,7 @@ from project.engine.distributed import DestroyProcessGroup
 from project.engine.errors import check_yaml_files, one_line_errors, root_cause
 from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
+from project.engine.host_memory import keep_freed_host_memory
 from project.engine.predictions import PredictionWriter
 from project.engine.rank_failures import RankFailures
 from project.engine.resume import ExactResume
@@ -139,6 +140,7 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
     # pass cost 0.22 s of start-up here, more came during training, and the one at exit 1.2 s. Objects frozen now
     # are left out of those passes (the few dozen that are already garbage are kept); later ones are collected.
     gc.freeze()
+    keep_freed_host_memory()  # each step reuses what the last one freed (a process-wide setting)
     try:
         with one_line_errors():
             return CLI(
