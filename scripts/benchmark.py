@@ -381,6 +381,10 @@ def run_side(side: str, spec: dict[str, Any], workdir: Path, args: argparse.Name
     path += [str(REPO), str(REPO / "scripts")]
     threads = str(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    if args.same_malloc:
+        from project.engine.host_memory import MMAP_THRESHOLD, TRIM_THRESHOLD
+
+        env.update(MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), MALLOC_TRIM_THRESHOLD_=str(TRIM_THRESHOLD))
     imported = workdir / "lightning_imported"
     if side != "hand":
         # Importing Lightning is the floor of any Lightning program's start-up: timed in the run's own process (a
@@ -635,6 +639,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads on every side (default: 1)")
     parser.add_argument("--cpus", help="pin every side to these CPUs with taskset, e.g. 1 or 0-1")
     parser.add_argument("--profile", action="store_true", help="one more template run, under cProfile")
+    parser.add_argument(
+        "--same-malloc",
+        action="store_true",
+        help="give every side the engine's malloc thresholds (project.engine.host_memory) through the environment, "
+        "to compare the rest: by default only the template sets them",
+    )
     parser.add_argument(
         "--template-arg",
         action="append",
