@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from project.engine.runs import _loads, read_global_step
 from tests.conftest import DDP2, QUIET, REPO, cli, newest_checkpoint, run_dirs, saved_steps, scalars
 
 pytestmark = pytest.mark.slow
@@ -167,17 +168,19 @@ def test_sigterm_during_validation_keeps_the_last_checkpoint_and_the_resume_is_e
 def test_truncated_checkpoint_names_the_file_and_last_picks_a_good_one(uninterrupted, tmp_path):
     proc = cli("fit", *BASE, *kill_at(45), cwd=tmp_path, check=False)
     (run,) = run_dirs(tmp_path)
-    last = newest_checkpoint(run)  # one of the two files of step 40 (the end of epoch 2: best 3, every 2 epochs)
+    last = newest_checkpoint(run)  # step 40 (the end of epoch 2): best 3 and every 2 epochs, one file, two names
     data = last.read_bytes()
-    last.write_bytes(data[: seeded_random("truncation length").randint(1, len(data) - 1)])
+    last.write_bytes(data[: seeded_random("truncation length").randint(1, len(data) - 1)])  # in place: both names
+    intact = [read_global_step(p) for p in (run / "checkpoints").glob("*.ckpt") if _loads(p)]
+    assert max(intact) == 20  # the oracle: what is left readable (the linked name of step 40 is damaged too)
     proc = cli("fit", *BASE, "--ckpt_path", str(last), cwd=tmp_path, check=False)
     assert proc.returncode == 2
     assert f"{last} is not a readable checkpoint" in proc.stderr and "newest other checkpoint" in proc.stderr
     assert "Traceback" not in proc.stderr
     proc = cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
     out = proc.stdout + proc.stderr
-    assert "resuming from" in out and "global step 40" in out  # the truncated file was skipped
-    assert_same_run(uninterrupted, tmp_path)  # the epoch-2 checkpoints beside it hold the same state
+    assert "resuming from" in out and f"global step {max(intact)}" in out  # the truncated files were skipped
+    assert_same_run(uninterrupted, tmp_path)
 
 
 @pytest.mark.long  # CI and make test-all; torchrun restarts: ~60 s

@@ -10,7 +10,10 @@ What it guarantees, and what user code does to get each guarantee:
   epoch's data order, and the start line says so); draw randomness from torch/numpy/random's global generators.
 - **Same run in every logger** (``runs``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
   each step once. Nothing to do; an unknown logger class is named at start.
-- **Checkpoints that survive a kill** (``checkpoints``): written by atomic rename, loaded with ``weights_only``.
+- **Checkpoints that survive a kill** (``checkpoints``): written by atomic rename in the background, loaded with
+  ``weights_only``; the files of one validation are one file under their names.
+- **Speed** (``host_memory``, ``checkpoints``, ``loggers``): a CPU step reuses the memory the last one freed;
+  saves cost the loop only a copy to host memory. Nothing to do.
 - **Sharded training** (``sharded``): ``configs/fsdp.yaml`` writes checkpoints as DCP folders, one shard per rank,
   atomically and loaded without pickle; exact resume as above, resharding to any number of ranks, export to one
   file. User code: shard in ``configure_model`` when ``self.device_mesh`` is set, and let every rank run every
