@@ -319,3 +319,18 @@ def test_a_validations_files_are_one_file_equal_to_the_last_one_synchronous_save
     for name in names:  # the others: each its own file, equal to Lightning's
         if not any(name in pair for pair in linked):
             assert (bg / name).stat().st_nlink == 1 and _same(load(bg, name), load(sync, name)) == [], name
+
+
+@pytest.mark.parametrize("crc32", [False, True])
+def test_crc32_is_left_out_unless_asked_for_and_torchs_setting_is_left_as_it_was(tmp_path, crc32):
+    import zipfile
+
+    io = AtomicCheckpointIO(crc32=crc32)
+    point = state(20, seed=0)
+    io.save_checkpoint(point, tmp_path / "a.ckpt")
+    io.teardown()
+    assert torch.serialization.get_crc32_options() is True  # the process-wide default, for everyone else's saves
+    damaged = zipfile.ZipFile(tmp_path / "a.ckpt").testzip()  # the first record whose checksum does not match
+    assert (damaged is None) == crc32
+    loaded = torch.load(tmp_path / "a.ckpt", weights_only=True)  # torch never checks it
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in point["state_dict"].items())

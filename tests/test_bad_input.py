@@ -251,12 +251,13 @@ def test_unusable_save_dir_is_named_before_anything_runs(trained, parse, tmp_pat
 def test_disk_full_while_saving_keeps_the_previous_checkpoints_and_resume_works(earlier):
     last = earlier / "runs/digits/version_0/checkpoints/last.ckpt"
     before = snapshot(earlier)
-    # Resume the finished run for a second epoch; its 2nd save (epoch001.ckpt, after best-epoch001) hits a full disk.
+    # Resume the finished run for a second epoch; its 2nd write (last.ckpt at the end of fit, after the one file of
+    # best-epoch001 and epoch001) hits a full disk.
     fault = ["--trainer.plugins", "tests.faults.DiskFullOnSave", "--trainer.plugins.save", "2"]
     common = [*TINY, *SMALL, "--trainer.max_epochs", "2"]
     proc = cli("fit", *common, *fault, "--ckpt_path", "last", cwd=earlier, check=False)
     folder = "runs/digits/version_0/checkpoints"
-    assert_one_clear_error(proc.returncode, proc.stderr, f"could not save the checkpoint epoch001.ckpt in {folder}",
+    assert_one_clear_error(proc.returncode, proc.stderr, f"could not save the checkpoint last.ckpt in {folder}",
                            "No space left on device", "Free space", "--ckpt_path last", exit_code=1)  # fmt: skip
     assert not list(earlier.rglob("*.tmp"))
     assert hashlib.sha256(last.read_bytes()).hexdigest() == before[str(last.relative_to(earlier))]
