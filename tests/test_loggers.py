@@ -130,6 +130,7 @@ LOGGERS = {
     "mlflow": (["--config", str(REPO / "configs" / "mlflow.yaml")], [mlflow_points]),
     "wandb": (["--config", str(REPO / "configs" / "wandb.yaml")], [wandb_points]),
     "tensorboard+csv": (["--config", str(REPO / "configs" / "tensorboard_csv.yaml")], [tensorboard_points, csv_points]),
+    "tensorboard+=csv": (["--trainer.logger+=CSVLogger"], [tensorboard_points, csv_points]),  # appended, no save_dir
     "none": (["--trainer.logger", "false"], []),
 }
 
@@ -168,3 +169,14 @@ def test_resume_continues_the_same_run_with_each_step_logged_once(name, tmp_path
         ((step, value),) = points["best/val/acc"]
         assert step == 15 and value == pytest.approx(max(v for _, v in points["val/acc"]), abs=1e-6), read.__name__
         assert value == pytest.approx(best, abs=1e-6), read.__name__
+
+
+def test_an_appended_tensorboard_or_csv_logger_gets_a_placeholder_save_dir_once_and_others_nothing():
+    from project.engine.loggers import let_appended_loggers_parse
+
+    args = ["fit", "--trainer.logger+=CSVLogger", "--trainer.max_epochs", "1", "--trainer.logger+", "TensorBoardLogger",
+            "--trainer.logger+=lightning.pytorch.loggers.WandbLogger", "--trainer.logger+=NoSuchLogger"]  # fmt: skip
+    filled = let_appended_loggers_parse(args)
+    placeholder = "--trainer.logger.init_args.save_dir=runs"
+    assert filled == [*args[:2], placeholder, *args[2:6], placeholder, *args[6:]]
+    assert let_appended_loggers_parse(filled) == filled  # a DDP rank re-runs the filled arguments

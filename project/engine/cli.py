@@ -24,6 +24,7 @@ from project.engine.errors import check_yaml_files, one_line_errors, root_cause
 from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
 from project.engine.host_memory import keep_freed_host_memory
+from project.engine.loggers import let_appended_loggers_parse
 from project.engine.predictions import PredictionWriter
 from project.engine.rank_failures import RankFailures
 from project.engine.resume import ExactResume
@@ -57,6 +58,10 @@ class CLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         check_yaml_files(parser, sys.argv[1:] if args is None else args)
+        if args is None:  # sys.argv itself: Lightning warns when args and sys.argv differ (DDP re-runs sys.argv)
+            sys.argv[1:] = let_appended_loggers_parse(sys.argv[1:])
+        elif isinstance(args, list | tuple):
+            args = let_appended_loggers_parse(list(args))
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         if subcommand:

@@ -146,3 +146,45 @@ class StepGate:
 
     def detach(self) -> None:
         self.logger.log_metrics = self.log_metrics
+
+
+def let_appended_loggers_parse(args: list[str]) -> list[str]:
+    """``args`` with a placeholder ``save_dir`` after each ``--trainer.logger+=CSVLogger`` (or TensorBoard) that
+    gives none.
+
+    Those loggers require ``save_dir``, and jsonargparse stops with a page-long Union error when a logger appended
+    with ``+=`` lacks it, though the engine sets it to the run folder right after parsing
+    (``runs.point_loggers_at``). A ``save_dir`` given later on the command line still comes after, and wins; one
+    given right after the class is left alone, so that the arguments come out the same when filled again (a DDP
+    rank re-runs them).
+    """
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg.startswith("--trainer.logger+="):
+            name = arg.partition("=")[2]
+        elif arg == "--trainer.logger+" and i + 1 < len(args):
+            continue  # the class comes as the next argument: filled in after it
+        elif i > 0 and args[i - 1] == "--trainer.logger+":
+            name = arg
+        else:
+            continue
+        given = i + 1 < len(args) and args[i + 1].startswith("--trainer.logger.init_args.save_dir")
+        cls = _class_named(name)
+        if not given and cls is not None and issubclass(cls, (TensorBoardLogger, CSVLogger)):
+            out.append("--trainer.logger.init_args.save_dir=runs")  # replaced by the run folder's parent
+    return out
+
+
+def _class_named(name: str) -> type | None:
+    """A class from its import path, or from its name in ``lightning.pytorch.loggers``; ``None`` if neither."""
+    import importlib
+
+    module, _, attribute = name.strip().rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module or "lightning.pytorch.loggers"), attribute)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return found if isinstance(found, type) else None
