@@ -60,7 +60,7 @@ def test_a_file_holds_its_save_and_a_write_in_flight_is_never_picked_by_last(tmp
 
     io.release.clear()
     io.writing.clear()
-    second = state(20, seed + 1)
+    second = {**state(20, seed + 1), "rng": torch.tensor([0, 0, 0], dtype=torch.uint8)}
     io.save_checkpoint(second, folder / "last.ckpt")  # returns while the file is being written
     assert io.writing.wait(30)
     # Another save of the same point (ModelCheckpoint's best-k file) shares the host copy: it neither copies nor
@@ -334,3 +334,37 @@ def test_crc32_is_left_out_unless_asked_for_and_torchs_setting_is_left_as_it_was
     assert (damaged is None) == crc32
     loaded = torch.load(tmp_path / "a.ckpt", weights_only=True)  # torch never checks it
     assert all(torch.equal(loaded["state_dict"][k], v) for k, v in point["state_dict"].items())
+
+
+def test_a_weights_only_save_at_the_point_is_a_file_of_its_own_and_a_failed_fit_stops_holding(tmp_path):
+    io = AtomicCheckpointIO()
+    io.hold_points = True
+    full = {**state(20, seed=0), "optimizer_states": [{"step": torch.tensor(20.0)}], "callbacks": {"best": "b"}}
+    weights = {k: v for k, v in full.items() if k not in ("optimizer_states", "callbacks")}  # save_weights_only
+    io.save_checkpoint(full, tmp_path / "best.ckpt")
+    io.save_checkpoint(weights, tmp_path / "weights.ckpt")
+    io.save_checkpoint(full, tmp_path / "epoch.ckpt")
+    io.teardown()  # Lightning runs it after a failed fit too, without the callbacks' teardown
+    assert not io.hold_points
+    best, only, epoch = (
+        torch.load(tmp_path / n, weights_only=True) for n in ("best.ckpt", "weights.ckpt", "epoch.ckpt")
+    )
+    assert "optimizer_states" in best and "optimizer_states" in epoch and "optimizer_states" not in only
+    io.save_checkpoint(full, tmp_path / "later.ckpt")  # no callback will close a point now: written at once
+    io._queued[-1].result(timeout=30)
+    assert (tmp_path / "later.ckpt").exists()
+    io.teardown()
+
+
+def test_a_tmp_file_left_linked_to_a_finished_checkpoint_is_replaced_not_written_into(tmp_path):
+    import os
+
+    finished = tmp_path / "epoch001.ckpt"
+    torch.save(state(20, seed=0), finished)
+    before = finished.read_bytes()
+    os.link(finished, tmp_path / "best.ckpt.tmp")  # a kill between the renames of one point's names
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(state(30, seed=1), tmp_path / "best.ckpt")
+    io.teardown()
+    assert finished.read_bytes() == before
+    assert torch.load(tmp_path / "best.ckpt", weights_only=True)["global_step"] == 30

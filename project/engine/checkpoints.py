@@ -188,11 +188,12 @@ def _to_host(t: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
 
 
 def _progress(checkpoint: dict[str, Any]) -> Any:
-    """Where training was: equal for two saves only if no training batch ran between them. ``None`` (never equal)
-    for a checkpoint without loop state (``save_weights_only``): nothing tells whether the weights moved."""
+    """Where training was: equal for two saves only if no training batch ran between them and they hold the same
+    parts (a ``save_weights_only`` dump, without optimizer and callback states, is never one file with a full one).
+    ``None`` (never equal) for a checkpoint without loop state: nothing tells whether the weights moved."""
     if "loops" not in checkpoint:
         return None
-    return checkpoint.get("epoch"), checkpoint.get("global_step"), checkpoint["loops"]
+    return checkpoint.get("epoch"), checkpoint.get("global_step"), checkpoint["loops"], sorted(checkpoint)
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -322,6 +323,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 raise
             print(f"error: {error}", file=sys.stderr)  # beside the error the run is already failing with
         finally:
+            self.hold_points = False  # after a failed fit too, where Lightning skips the callbacks' teardown
             if self._writer is not None:
                 self._writer.shutdown()
                 self._writer = None
@@ -342,6 +344,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmps.append(tmp := path.with_name(f"{path.name}.tmp"))
+            tmp.unlink(missing_ok=True)  # a .tmp left by a kill may be a hard link to a finished file: never into it
             with open(tmp, "wb") as f:
                 self._write(checkpoint, f)
                 f.flush()

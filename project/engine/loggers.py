@@ -185,6 +185,6 @@ def _class_named(name: str) -> type | None:
     module, _, attribute = name.strip().rpartition(".")
     try:
         found = getattr(importlib.import_module(module or "lightning.pytorch.loggers"), attribute)
-    except (ImportError, AttributeError, ValueError):
+    except (ImportError, AttributeError, ValueError, TypeError):  # TypeError: a relative name ("..X")
         return None
     return found if isinstance(found, type) else None
