@@ -5,6 +5,7 @@ import contextlib
 from datetime import timedelta
 
 import lightning as L
+import pytest
 import torch
 from lightning.fabric.loggers.csv_logs import _ExperimentWriter
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -133,3 +134,131 @@ def test_last_checkpoint_holds_the_final_step_after_a_refresh_during_the_fit(tmp
     saved = load_checkpoint_file(tmp_path / "last.ckpt")
     assert saved["global_step"] == 5
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
+
+
+def _log_steps(result_metric_to, steps=5):
+    """``self.log`` as Lightning runs it, with ``_ResultMetric.to`` set to ``result_metric_to``: the per-step and the
+    epoch value of a mean over steps, plus one metric-valued log."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
+    from torchmetrics import MeanMetric
+
+    saved = _ResultMetric.to
+    _ResultMetric.to = result_metric_to
+    try:
+        results, mean = _ResultCollection(training=True), MeanMetric()
+        seen = []
+        for step in range(steps):
+            value = torch.tensor(0.5 + step)
+            mean.update(value)
+            results.log("training_step", "loss", value, on_step=True, on_epoch=True, batch_size=4)
+            results.log("training_step", "mean", mean, on_step=False, on_epoch=True)
+            seen.append(results["training_step.loss"]._forward_cache.item())
+        return results, seen, results["training_step.loss"].compute().item(), results["training_step.mean"].compute()
+    finally:
+        _ResultMetric.to = saved
+
+
+def test_result_metric_to_is_called_at_every_log_and_skipped_once_its_values_are_there():
+    """Lightning's ``_ResultCollection.log`` moves the stored result at every call, and its ``_ResultMetric.to``
+    walks and rebuilds the whole object (a new ``meta`` each time): both are what ``skip_moves_already_done`` is
+    for; a Lightning that no longer does either fails here and the patch can go."""
+    import inspect
+
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
+
+    from project.engine.compat import skip_moves_already_done
+
+    assert "self[key].to(value.device)" in inspect.getsource(_ResultCollection.log), (
+        "_ResultCollection.log no longer moves the result at every call: drop compat.skip_moves_already_done"
+    )
+    skip_moves_already_done()
+    patched = _ResultMetric.to
+    original = patched.__wrapped__
+    skip_moves_already_done()  # twice is once
+    assert _ResultMetric.to is patched
+
+    calls = []
+
+    def counting(self, *args, **kwargs):
+        calls.append(args)
+        return original(self, *args, **kwargs)
+
+    results, *_ = _log_steps(counting, steps=3)
+    loss = results["training_step.loss"]
+    assert len(calls) == 6, "no longer one _ResultMetric.to call per self.log"
+    meta = loss.meta
+    loss.to(torch.device("cpu"))
+    assert loss.meta is not meta, "_ResultMetric.to no longer rebuilds the object: the patch may have no effect"
+
+    # The oracle: the same logs through Lightning's own move give the same per-step values and epoch results.
+    assert _log_steps(patched)[1:3] == _log_steps(original)[1:3]
+    patched_mean, original_mean = _log_steps(patched)[3], _log_steps(original)[3]
+    assert torch.equal(patched_mean, original_mean)
+
+    # Skipped once there: the object is left as it is (no new meta).
+    results, *_ = _log_steps(patched, steps=2)
+    loss = results["training_step.loss"]
+    meta = loss.meta
+    patched(loss, torch.device("cpu"))
+    assert loss.meta is meta
+    # Any other move still happens (here to the meta device, the only other one a CPU has), and is then skipped.
+    patched(loss, torch.device("meta"))
+    assert loss.value.device.type == "meta" and loss._defaults["value"].device.type == "meta"
+    meta = loss.meta
+    patched(loss, torch.device("meta"))
+    assert loss.meta is meta
+    results, *_ = _log_steps(patched, steps=2)
+    loss = results["training_step.loss"]
+    patched(loss, device="meta")  # the keyword form, as _ResultCollection.cpu() calls it: Lightning's own path
+    assert loss.value.device.type == "meta" and loss._defaults["value"].device.type == "meta"
+    results, *_ = _log_steps(patched, steps=2)
+    loss = results["training_step.loss"]
+    loss._forward_cache = torch.empty(1, device="meta")  # a value left elsewhere: not skipped
+    with pytest.raises(NotImplementedError, match="meta"):  # Lightning's own path tries to copy it back
+        patched(loss, torch.device("cpu"))
+    mean = results["training_step.mean"]
+    patched(mean, torch.device("cpu"))  # a logged Metric: skipped while it stays where it is
+    mean.value.to(torch.device("meta"))  # and not once it has moved
+    with pytest.raises(NotImplementedError, match="meta"):
+        patched(mean, torch.device("cpu"))
+
+
+def test_a_fit_logs_the_same_values_with_and_without_skipped_moves(tmp_path, monkeypatch):
+    """The oracle is the same fit with Lightning's own ``_ResultMetric.to``: every logged value, step and epoch,
+    train and validation, is the same."""
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    from project.data import DigitsDataModule
+    from project.engine.compat import skip_moves_already_done
+
+    skip_moves_already_done()
+    patched = _ResultMetric.to
+
+    def fit(name):
+        L.seed_everything(0)
+        trainer = L.Trainer(max_epochs=2, limit_train_batches=6, limit_val_batches=2, log_every_n_steps=1,
+                            logger=CSVLogger(tmp_path, name=name), enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        trainer.fit(Classifier(MLP(), warmup=1), DigitsDataModule())
+        return (tmp_path / name / "version_0" / "metrics.csv").read_text()
+
+    with_skips = fit("patched")
+    monkeypatch.setattr(_ResultMetric, "to", patched.__wrapped__)
+    lightnings = fit("lightning")
+    assert "train/loss" in with_skips and "val/acc" in with_skips and len(with_skips.splitlines()) == 1 + 12 + 2 * 2
+    assert with_skips == lightnings
+
+
+def test_the_default_profiler_profiles_nothing_at_no_cost_and_a_chosen_one_still_profiles():
+    from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
+
+    from project.engine.cli import cli_main
+    from project.engine.profiler import NoProfiler
+
+    profiler = NoProfiler()
+    with profiler.profile("a"), profiler.profile("b"):  # nested, as Lightning's hooks are
+        pass
+    assert isinstance(profiler, PassThroughProfiler) and profiler.summary() == ""
+    assert type(cli_main([], run=False).trainer.profiler) is NoProfiler
+    assert type(cli_main(["--trainer.profiler", "simple"], run=False).trainer.profiler) is SimpleProfiler

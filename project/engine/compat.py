@@ -15,12 +15,16 @@ on a Lightning version where one changed.
 - ``ModelCheckpoint._should_skip_saving_checkpoint`` / ``_save_last_checkpoint`` / ``_monitor_candidates``: the
   end-of-fit refresh of ``last.ckpt`` (``project.engine.last_checkpoint``), with Lightning's own bookkeeping of
   ``last_model_path`` and its skips (``fast_dev_run``, not fitting, already saved at this step).
+- ``_ResultMetric.to``, called by ``_ResultCollection.log`` at every ``self.log``: replaced by one that skips the
+  move when the values are already on the device (``skip_moves_already_done``, installed by ``cli_main``).
 """
 
 import ast
 from typing import Any
 
 import lightning as L
+import torch
+from torchmetrics import Metric
 
 
 def request_stop_at_batch_end(trainer: L.Trainer, stop: bool = True) -> None:
@@ -69,3 +73,38 @@ def save_last_unless_saved_at_this_step(callback: Any, trainer: L.Trainer) -> No
     global step or Lightning would not save here at all."""
     if callback.save_last and not callback._should_skip_saving_checkpoint(trainer):
         callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def skip_moves_already_done() -> None:
+    """``self.log`` moves its stored result to the logged value's device at every call
+    (``_ResultCollection.log``: ``self[key].to(value.device)``), and ``_ResultMetric.to`` walks and deep-copies the
+    whole metric object to do it: ~280 us a call here, paid by every per-step ``self.log``, although after the first
+    call everything is already there. Skip it when the last move went to that device and the values are still on
+    it; any other move (Lightning's ``_results.cpu()``, a new device) takes Lightning's own path."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    move = _ResultMetric.to
+    if getattr(move, "skips_moves_already_done", False):
+        return
+
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        device = args[0] if len(args) == 1 and not kwargs else None
+        if isinstance(device, torch.device) and self.__dict__.get("_moved_to") == device and _values_on(self, device):
+            return self
+        move(self, *args, **kwargs)
+        self.__dict__["_moved_to"] = device if isinstance(device, torch.device) else None
+        return self
+
+    to.skips_moves_already_done = True  # type: ignore[attr-defined]
+    to.__wrapped__ = move  # type: ignore[attr-defined]
+    _ResultMetric.to = to
+
+
+def _values_on(result: Any, device: torch.device) -> bool:
+    """Whether the values a ``_ResultMetric`` accumulates or caches are on ``device`` (the defaults it resets to were
+    moved with the last full move)."""
+    for name in (*result._defaults, "_forward_cache", "_computed"):
+        value = result.__dict__.get(name)
+        if isinstance(value, torch.Tensor | Metric) and value.device != device:
+            return False
+    return result.is_tensor or result.value.device == device
