@@ -321,6 +321,28 @@ def test_a_validations_files_are_one_file_equal_to_the_last_one_synchronous_save
             assert (bg / name).stat().st_nlink == 1 and _same(load(bg, name), load(sync, name)) == [], name
 
 
+@pytest.mark.slow  # two 4-epoch fits (~10 s)
+def test_two_callbacks_with_one_file_name_keep_their_files_apart_as_with_synchronous_saves(tmp_path):
+    """Two ModelCheckpoints with Lightning's default file name, one keeping the best by val/loss, one every epoch:
+    at each validation both name the same file. The oracle is the synchronous run, where the second finds the
+    first's file on disk and writes ``-v1``; a held or in-flight write must count as on disk, or the first one's
+    top k deletes the files the second keeps."""
+    same_name = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.monitor=val/loss",
+                 "--trainer.callbacks.save_top_k=1", "--trainer.callbacks+=ModelCheckpoint",
+                 "--trainer.callbacks.every_n_epochs=1", "--trainer.callbacks.save_top_k=-1"]  # fmt: skip
+    args = [*QUIET, "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches",
+            "2", "--model.net.init_args.hidden_sizes", "[32]", "--model.warmup", "1", *same_name]  # fmt: skip
+    cli_in_process("fit", *args, root=tmp_path / "bg")
+    cli_in_process("fit", *args, "--trainer.plugins.background", "false", root=tmp_path / "sync")
+    bg, sync = (tmp_path / r / "digits" / "version_0" / "checkpoints" for r in ("bg", "sync"))
+    names = sorted(p.name for p in bg.glob("*.ckpt"))
+    kept = [f"epoch={e}-step={3 * (e + 1)}-v1.ckpt" for e in range(4)]  # the every-epoch callback's
+    assert set(kept) <= set(names) and names == sorted(p.name for p in sync.glob("*.ckpt"))
+    for name in names:
+        steps = [torch.load(d / name, weights_only=True)["global_step"] for d in (bg, sync)]
+        assert steps[0] == steps[1], name
+
+
 @pytest.mark.parametrize("crc32", [False, True])
 def test_crc32_is_left_out_unless_asked_for_and_torchs_setting_is_left_as_it_was(tmp_path, crc32):
     import zipfile

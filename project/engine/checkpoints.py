@@ -281,6 +281,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         else:
             self._submit(self._save_atomically, on_host, path)
 
+    def claims(self, path: _PATH) -> bool:
+        """Whether a save to ``path`` is held or being written: the name is taken, though not yet on disk."""
+        path = Path(path)
+        held = self._held is not None and path in self._held.paths and path not in self._held.removals
+        return held or any(path in getattr(f, "paths", ()) and not f.done() for f in self._queued)
+
     def remove_checkpoint(self, path: _PATH) -> None:
         if self._held is not None:
             self._held.removals.append(Path(path))
@@ -331,7 +337,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def _submit(self, fn: Callable[..., None], *args: Any) -> None:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._queued.append(self._writer.submit(fn, *args))
+        future = self._writer.submit(fn, *args)
+        if fn == self._save_atomically:
+            future.paths = args[1:]  # type: ignore[attr-defined]  # for claims()
+        self._queued.append(future)
 
     def _raise_failed_write(self) -> None:
         if any(f.done() and f.exception() is not None for f in self._queued):
@@ -406,12 +415,21 @@ class OneFilePerPoint(Callback):
     the saves of that point (the best-k, every-2-epochs and ``last.ckpt`` files of one validation) are written as
     one file under their names, holding the state after the last of them. Held between a validation's end and the
     next training batch (or epoch start, or the end of ``fit``): a kill in between loses that point's files, as a
-    kill during their write would."""
+    kill during their write would.
+
+    A name whose save is held or still being written counts as taken when a ``ModelCheckpoint`` asks whether its
+    file exists (``file_exists``), as it would once on disk: two of them with the same file name at one point get
+    ``name`` and ``name-v1``, Lightning's way, instead of one file that the first one's top k would delete from
+    under the other.
+    """
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         io = trainer.strategy.checkpoint_io
         if isinstance(io, AtomicCheckpointIO) and stage == "fit":
             io.hold_points = True
+            for callback in trainer.checkpoint_callbacks:
+                if isinstance(callback, ModelCheckpoint):
+                    callback.file_exists = _with_pending_writes(callback.file_exists, io)  # type: ignore[method-assign]
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._close(trainer)
@@ -422,15 +440,23 @@ class OneFilePerPoint(Callback):
         self._close(trainer)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        io = trainer.strategy.checkpoint_io
-        if isinstance(io, AtomicCheckpointIO):
-            io.hold_points = False
-            io.close_point()
+        self._close(trainer)
+        for callback in trainer.checkpoint_callbacks:
+            vars(callback).pop("file_exists", None)  # the class's own again
 
     def _close(self, trainer: L.Trainer) -> None:
         io = trainer.strategy.checkpoint_io
         if isinstance(io, AtomicCheckpointIO):
             io.close_point()
+
+
+def _with_pending_writes(on_disk: Callable[[_PATH, L.Trainer], bool], io: AtomicCheckpointIO) -> Callable:
+    def file_exists(filepath: _PATH, trainer: L.Trainer) -> bool:
+        # rank 0 alone writes; every rank takes the same decision (one more collective, at a save only)
+        pending = trainer.strategy.reduce_boolean_decision(trainer.is_global_zero and io.claims(filepath), all=False)
+        return pending or on_disk(filepath, trainer)
+
+    return file_exists
 
 
 def wait_for_writes(trainer: Any) -> None:
