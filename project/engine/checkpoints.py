@@ -429,6 +429,7 @@ class OneFilePerPoint(Callback):
             io.hold_points = True
             for callback in trainer.checkpoint_callbacks:
                 if isinstance(callback, ModelCheckpoint):
+                    vars(callback).pop("file_exists", None)  # a failed fit skips teardown: never wrapped twice
                     callback.file_exists = _with_pending_writes(callback.file_exists, io)  # type: ignore[method-assign]
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
