@@ -45,3 +45,22 @@ def test_benchmark_runs_three_sides_on_the_same_steps():
     for side in (hand, lightning, template):
         assert 0 < side["step_s"] * side["steps"] < side["train_s"]
     assert summary["step_ratio_vs_lightning"]["pairs"] == [template["step_s"] / lightning["step_s"]]
+
+
+def test_step_benchmark_compares_the_same_steps_and_prints_each_piece():
+    """scripts/benchmark_step.py: the bare loop and the minimal LightningModule take the same steps with the same
+    losses (its exit status says so), and each piece of a step is printed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "benchmark_step.py"), "--hidden", "16", "--repeats", "1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "same steps and losses, bare and minimal Lightning: True" in proc.stdout
+    for piece in ("bare PyTorch step", "Lightning, minimal module", "the template's Classifier", "NaN guard",
+                  "self.log", "profiling context"):  # fmt: skip
+        assert piece in proc.stdout, piece
