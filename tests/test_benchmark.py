@@ -1,4 +1,4 @@
-"""scripts/benchmark.py at a tiny size: it runs all three sides and they do the same work. No timings are checked."""
+"""The benchmark scripts at a tiny size: every side does the same work. No timings are checked."""
 
 import json
 import os
@@ -12,18 +12,18 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow  # four interpreters (driver, hand-written loop, plain Lightning, template CLI)
 
 
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """``python scripts/NAME ARGS``, which must exit 0."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
 @pytest.mark.long  # CI and make test-all; the benchmark script's three sides
 def test_benchmark_runs_three_sides_on_the_same_steps():
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--epochs", "2", "--hidden", "32", "--repeats", "1"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"benchmark exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = run_script("benchmark.py", "--epochs", "2", "--hidden", "32", "--repeats", "1")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     hand, lightning, template = summary["hand"], summary["lightning"], summary["template"]
     # The oracle is the hand-written loop: the same number of steps, each with its loss, on every side.
@@ -50,16 +50,7 @@ def test_benchmark_runs_three_sides_on_the_same_steps():
 def test_step_benchmark_compares_the_same_steps_and_prints_each_piece():
     """scripts/benchmark_step.py: the bare loop and the minimal LightningModule take the same steps with the same
     losses (its exit status says so), and each piece of a step is printed."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "benchmark_step.py"), "--hidden", "16", "--repeats", "1"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = run_script("benchmark_step.py", "--hidden", "16", "--repeats", "1")
     assert "same steps and losses, bare and minimal Lightning: True" in proc.stdout
     for piece in ("bare PyTorch step", "Lightning, minimal module", "the template's Classifier", "NaN guard",
                   "self.log", "profiling context"):  # fmt: skip
