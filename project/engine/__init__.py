@@ -12,8 +12,9 @@ What it guarantees, and what user code does to get each guarantee:
   each step once. Nothing to do; an unknown logger class is named at start.
 - **Checkpoints that survive a kill** (``checkpoints``): written by atomic rename in the background, loaded with
   ``weights_only``; the files of one validation are one file under their names.
-- **Speed** (``host_memory``, ``checkpoints``, ``loggers``): a CPU step reuses the memory the last one freed;
-  saves cost the loop only a copy to host memory. Nothing to do.
+- **Speed** (``host_memory``, ``checkpoints``, ``loggers``, ``profiler``, ``compat``): a CPU step reuses the
+  memory the last one freed; saves cost the loop only a copy to host memory; ``self.log`` and the hooks' profiling
+  cost next to nothing per step. Nothing to do.
 - **Sharded training** (``sharded``): ``configs/fsdp.yaml`` writes checkpoints as DCP folders, one shard per rank,
   atomically and loaded without pickle; exact resume as above, resharding to any number of ranks, export to one
   file. User code: shard in ``configure_model`` when ``self.device_mesh`` is set, and let every rank run every
