@@ -390,3 +390,23 @@ def test_a_tmp_file_left_linked_to_a_finished_checkpoint_is_replaced_not_written
     io.teardown()
     assert finished.read_bytes() == before
     assert torch.load(tmp_path / "best.ckpt", weights_only=True)["global_step"] == 30
+
+
+def test_a_name_counts_as_taken_while_its_save_is_held_or_being_written(tmp_path, monkeypatch):
+    """What ModelCheckpoint's version counter asks (``claims``), against the file on disk as the oracle: taken
+    from the save on, whether held or in the writer's hands, and free again once removed."""
+    io = AtomicCheckpointIO()
+    gate, write = threading.Event(), io._write
+    monkeypatch.setattr(io, "_write", lambda checkpoint, f: (gate.wait(30), write(checkpoint, f)))
+    written, held = tmp_path / "written.ckpt", tmp_path / "held.ckpt"
+    io.save_checkpoint(state(20, seed=0), written)  # not holding: straight to the writer, which waits
+    assert io.claims(written) and not written.exists()
+    gate.set()
+    io.wait()
+    assert written.exists() and not io.claims(written)  # on disk now: Lightning's own check sees it
+    io.hold_points = True
+    io.save_checkpoint(state(30, seed=1), held)
+    assert io.claims(held) and not held.exists() and not io.claims(tmp_path / "other.ckpt")
+    io.remove_checkpoint(held)  # dropped from the top k before it was written
+    assert not io.claims(held)
+    io.teardown()
