@@ -241,8 +241,6 @@ def test_dry_run_prints_the_srun_line_without_running_it():
 
 def test_readme_shows_the_srun_line_the_script_runs():
     readme = (REPO / "README.md").read_text()
-    if "scripts/slurm.sbatch" not in readme:
-        pytest.skip("README does not document scripts/slurm.sbatch yet")
     example = re.search(r"^DRY_RUN=1 bash scripts/slurm\.sbatch([^#\n]*).*\n# (srun .*)$", readme, re.M)
     assert example, "README documents scripts/slurm.sbatch but not its dry run and srun line"
     assert dry_run(*shlex.split(example[1]), DRY_RUN="1") == example[2].strip()
