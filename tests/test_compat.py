@@ -330,7 +330,8 @@ def test_model_checkpoint_file_exists_is_replaced_on_the_instance_and_restored(t
 
     from project.engine.compat import count_pending_saves_as_files, restore_file_exists
 
-    trainer = SimpleNamespace(strategy=SimpleNamespace(broadcast=lambda x: x), is_global_zero=True)  # one process
+    one_rank = SimpleNamespace(reduce_boolean_decision=lambda decision, all: decision)
+    trainer = SimpleNamespace(strategy=one_rank, is_global_zero=True)
     a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
     callback = ModelCheckpoint(dirpath=tmp_path)
     assert not callback.file_exists(a, trainer)
