@@ -10,7 +10,7 @@ ARGS ?=
 # 2 on the 2-core CI machine; WORKERS=0 runs in this process.
 WORKERS ?= 2
 
-.PHONY: help setup train test test-fast test-long test-all test-oldest lint format tensorboard plot clean
+.PHONY: help setup train test test-fast test-long test-all test-oldest test-newest lint format tensorboard plot clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -47,6 +47,16 @@ test-oldest:  ## the fast tests on the oldest versions pyproject.toml allows, in
 	.venv-oldest/bin/pip install --quiet -c .venv-oldest/constraints.txt -e ".[dev]"
 	.venv-oldest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
 	.venv-oldest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
+
+test-newest:  ## the fast tests on the newest versions pyproject.toml allows, in .venv-newest (CI runs it)
+	$(PYTHON) -m venv .venv-newest
+	.venv-newest/bin/pip install --quiet --upgrade pip
+	.venv-newest/bin/pip install --quiet $(TORCH)
+	# every other dependency at its newest within pyproject.toml's ranges; torch stays the build installed above
+	.venv-newest/bin/python -c "import torch; print('torch==' + torch.__version__)" > .venv-newest/constraints.txt
+	.venv-newest/bin/pip install --quiet --upgrade --upgrade-strategy eager -c .venv-newest/constraints.txt -e ".[dev]"
+	.venv-newest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
+	.venv-newest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
 
 lint: setup  ## ruff lint and format check
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

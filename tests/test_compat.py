@@ -1,8 +1,10 @@
 """Each private Lightning API in project/engine/compat.py still exists and still does what the engine relies on;
 a Lightning upgrade that changes one fails here, naming it."""
 
+import ast
 import contextlib
 from datetime import timedelta
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -171,11 +173,12 @@ def test_result_metric_to_is_called_at_every_log_and_skipped_once_its_values_are
     assert "self[key].to(value.device)" in inspect.getsource(_ResultCollection.log), (
         "_ResultCollection.log no longer moves the result at every call: drop compat.skip_moves_already_done"
     )
-    skip_moves_already_done()
+    undo = skip_moves_already_done()
     patched = _ResultMetric.to
     original = patched.__wrapped__
-    skip_moves_already_done()  # twice is once
-    assert _ResultMetric.to is patched
+    assert skip_moves_already_done() is not undo and _ResultMetric.to is patched  # twice is once
+    undo()
+    assert _ResultMetric.to is original, "not put back"
 
     calls = []
 
@@ -232,8 +235,9 @@ def test_a_fit_logs_the_same_values_with_and_without_skipped_moves(tmp_path, mon
     from project.data import DigitsDataModule
     from project.engine.compat import skip_moves_already_done
 
-    skip_moves_already_done()
+    undo = skip_moves_already_done()
     patched = _ResultMetric.to
+    undo()
 
     def fit(name):
         L.seed_everything(0)
@@ -243,6 +247,7 @@ def test_a_fit_logs_the_same_values_with_and_without_skipped_moves(tmp_path, mon
         trainer.fit(Classifier(MLP(), warmup=1), DigitsDataModule())
         return (tmp_path / name / "version_0" / "metrics.csv").read_text()
 
+    monkeypatch.setattr(_ResultMetric, "to", patched)
     with_skips = fit("patched")
     monkeypatch.setattr(_ResultMetric, "to", patched.__wrapped__)
     lightnings = fit("lightning")
@@ -262,3 +267,240 @@ def test_the_default_profiler_profiles_nothing_at_no_cost_and_a_chosen_one_still
     assert isinstance(profiler, PassThroughProfiler) and profiler.summary() == ""
     assert type(cli_main([], run=False).trainer.profiler) is NoProfiler
     assert type(cli_main(["--trainer.profiler", "simple"], run=False).trainer.profiler) is SimpleProfiler
+
+
+def test_skip_moves_names_lightning_issue_and_installs_nothing_where_lightning_no_longer_moves(monkeypatch):
+    """Lightning issue #20388 (fix proposed in PR #21769): on a Lightning whose ``self.log`` no longer moves its result
+    at every call (the probe says so), nothing is replaced."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    from project.engine import compat
+
+    assert "#20388" in compat.skip_moves_already_done.__doc__ and "#21769" in compat.skip_moves_already_done.__doc__
+    assert compat.lightning_moves_at_every_log(), "Lightning 2.6 moves at every self.log: the probe no longer sees it"
+    own = _ResultMetric.to
+    monkeypatch.setattr(compat, "lightning_moves_at_every_log", lambda: False)  # as on a fixed Lightning
+    compat.skip_moves_already_done()()
+    assert _ResultMetric.to is own
+
+
+def test_result_metric_to_takes_lightnings_path_for_a_value_it_does_not_know():
+    """``_values_on`` knows ``_defaults``, ``_forward_cache``, ``_computed`` and ``value``: a result holding any other
+    tensor (a Lightning that adds a field) is moved by Lightning's own ``to``, never skipped."""
+    from project.engine.compat import skip_moves_already_done
+
+    undo = skip_moves_already_done()
+    try:
+        from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+        patched = _ResultMetric.to
+    finally:
+        undo()
+    results, *_ = _log_steps(patched, steps=2)
+    loss = results["training_step.loss"]
+    patched(loss, torch.device("cpu"))
+    meta = loss.meta
+    patched(loss, torch.device("cpu"))
+    assert loss.meta is meta, "precondition: a known result is skipped"
+    loss.__dict__["a_new_field"] = torch.zeros(1)
+    patched(loss, torch.device("cpu"))
+    assert loss.meta is not meta, "a result with a tensor field _values_on does not know was skipped"
+
+
+def test_fit_loop_saved_counters_are_rewritten_and_an_unknown_layout_stops_the_engine():
+    from project.engine.compat import LightningChanged, reopen_an_epoch_stopped_mid_way
+
+    def counts(n):
+        return {"ready": n, "started": n, "processed": n, "completed": n}
+
+    saved = {"epoch": 1, "loops": {"fit_loop": {
+        "epoch_loop.batch_progress": {"is_last_batch": False, "current": counts(3), "total": counts(13)},
+        "epoch_progress": {"current": counts(2), "total": counts(2)}}}}  # fmt: skip
+    reopen_an_epoch_stopped_mid_way(saved)
+    epochs = saved["loops"]["fit_loop"]["epoch_progress"]
+    assert epochs["current"]["completed"] == epochs["current"]["processed"] == 1 and saved["epoch"] == 1
+    reopen_an_epoch_stopped_mid_way({"state_dict": {}})  # a weights-only save: nothing to reopen
+    del saved["loops"]["fit_loop"]["epoch_progress"]
+    with pytest.raises(LightningChanged, match=r"epoch_progress.*Lightning \d"):
+        reopen_an_epoch_stopped_mid_way(saved)
+
+
+def test_model_checkpoint_file_exists_is_replaced_on_the_instance_and_restored(tmp_path):
+    from types import SimpleNamespace
+
+    from project.engine.compat import count_pending_saves_as_files, restore_file_exists
+
+    one_rank = SimpleNamespace(reduce_boolean_decision=lambda decision, all: decision)
+    trainer = SimpleNamespace(strategy=one_rank, is_global_zero=True)
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    callback = ModelCheckpoint(dirpath=tmp_path)
+    assert not callback.file_exists(a, trainer)
+    count_pending_saves_as_files(callback, lambda path, _: path == a)
+    count_pending_saves_as_files(callback, lambda path, _: path == a)  # never wrapped twice
+    assert callback.file_exists(a, trainer) and not callback.file_exists(b, trainer)
+    restore_file_exists(callback)
+    assert "file_exists" not in vars(callback) and not callback.file_exists(a, trainer)
+
+
+def test_logger_log_metrics_replaced_and_tensorboard_experiment_read(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from project.engine.compat import experiment_opened, replace_log_metrics
+
+    logger = TensorBoardLogger(tmp_path)
+    assert not experiment_opened(logger), "TensorBoardLogger._experiment no longer tells an unopened writer"
+    logger.experiment  # noqa: B018  # opens it
+    assert experiment_opened(logger)
+    seen = []
+    own = replace_log_metrics(logger, lambda metrics, step=None: seen.append(step))
+    logger.log_metrics({"a": 1.0}, step=3)
+    replace_log_metrics(logger, own)
+    assert seen == [3] and logger.log_metrics == own
+
+
+def test_lr_scheduler_last_lr_is_what_get_last_lr_returns():
+    from project.engine.compat import set_last_lr
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), lambda _: 1)
+    set_last_lr(scheduler, [0.25])
+    assert scheduler.get_last_lr() == [0.25]
+
+
+def test_tensor_version_counts_in_place_writes():
+    from project.engine.compat import version_counter
+
+    t = torch.zeros(2)
+    before = version_counter(t)
+    t.add_(1)
+    assert before is not None and version_counter(t) == before + 1
+    with torch.inference_mode():
+        assert version_counter(torch.zeros(1)) is None
+
+
+def test_torch_crc32_setting_is_per_thread_so_other_threads_keep_their_checksums(tmp_path):
+    """torch's serialization config holds overrides per thread (``torch.utils._config_module``): the checkpoint
+    writer's no-CRC save never reaches a ``torch.save`` on another thread."""
+    import threading
+    import zipfile
+
+    from project.engine.compat import crc32_off_in_this_thread
+
+    inside, done, results = threading.Event(), threading.Event(), {}
+
+    def writer():
+        with crc32_off_in_this_thread() as off:
+            results["off"] = off
+            torch.save({"x": torch.arange(1000)}, tmp_path / "writer.pt")
+            inside.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    inside.wait(10)
+    torch.save({"x": torch.arange(1000)}, tmp_path / "main.pt")  # while the writer's setting is off
+    done.set()
+    thread.join()
+    assert results["off"], "torch's CRC-32 setting is no longer per thread: checkpoints now keep their checksums"
+    assert zipfile.ZipFile(tmp_path / "main.pt").testzip() is None
+    assert zipfile.ZipFile(tmp_path / "writer.pt").testzip() is not None
+    assert torch.serialization.get_crc32_options() is True
+
+
+def test_dcp_load_planner_internals_and_reader_load_id():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from project.engine.compat import index_for_reader
+
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({"a": {"b": 1}}, Metadata(state_dict_metadata={}), is_coordinator=True)
+    assert hasattr(planner, "original_state_dict") and hasattr(planner, "mappings"), "DefaultLoadPlanner changed"
+    reader = FileSystemReader(".")
+    reader.reset()
+    assert index_for_reader(reader, Metadata(state_dict_metadata={})).storage_meta.load_id == reader.load_id
+
+
+def test_ddp_launcher_procs_and_gloo_peer_messages():
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from project.engine.compat import PEER_GONE
+    from project.engine.rank_failures import is_peer_gone
+
+    launcher = _SubprocessScriptLauncher(cluster_environment=None, num_processes=2, num_nodes=1)  # type: ignore
+    assert launcher.procs == [], "_SubprocessScriptLauncher.procs is gone (rank 0's children)"
+    # gloo's messages themselves: tests/test_console.py's dead-rank runs (slow) see them
+    assert all(is_peer_gone(RuntimeError(f"[../gloo/transport/tcp/pair.cc:534] {text}")) for text in PEER_GONE)
+
+
+def test_lightning_cli_hparam_keys_are_the_ones_the_summary_leaves_out():
+    from project.engine.cli import cli_main
+    from project.engine.compat import CLI_HPARAM_KEYS
+
+    cli = cli_main([], run=False)
+    added = {k for k in (*cli.model.hparams_initial, *cli.datamodule.hparams_initial) if k.startswith("_")}
+    assert added == set(CLI_HPARAM_KEYS), f"LightningCLI's hparam keys are now {sorted(added)}"
+
+
+ENGINE = Path(__file__).resolve().parent.parent / "project" / "engine"
+ALLOWED = {"os._exit"}  # documented by Python
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(source: str) -> list[str]:
+    """Private names of other packages a module uses: ``x._y`` (x not ``self``/``cls``), imports of ``_y`` or from a
+    ``_module``, and ``self._y`` in a class that never sets or defines ``_y`` (its base class's)."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            if not (isinstance(base, ast.Name) and base.id in ("self", "cls")) and ast.unparse(node) not in ALLOWED:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("project"):
+            private_module = any(_private(part) for part in node.module.split("."))
+            found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                      if private_module or _private(a.name)]  # fmt: skip
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if any(map(_private, a.name.split(".")))]
+        elif isinstance(node, ast.ClassDef) and node.bases:
+            own = {n.name for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+            own |= {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+            own |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            attributes = [n for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)]
+            mine = [n for n in attributes if n.value.id in ("self", "cls")]  # type: ignore[attr-defined]
+            own |= {n.attr for n in mine if isinstance(n.ctx, ast.Store)}
+            found += [
+                f"{n.lineno}: self.{n.attr} (a base class's)" for n in mine if _private(n.attr) and n.attr not in own
+            ]
+    return found
+
+
+def test_the_scan_finds_each_kind_of_private_use():
+    source = """
+from lightning.fabric.utilities.types import _PATH
+from torch.distributed.checkpoint._traverse import set_element
+import torch._dynamo
+class Logger(TensorBoardLogger):
+    def finalize(self):
+        self._mine = 1
+        return self._experiment, self._mine, trainer._signal_connector, os._exit
+"""
+    assert sorted(use.split(": ", 1)[1] for use in private_uses(source)) == [
+        "from lightning.fabric.utilities.types import _PATH",
+        "from torch.distributed.checkpoint._traverse import set_element",
+        "import torch._dynamo",
+        "self._experiment (a base class's)",
+        "trainer._signal_connector",
+    ]
+
+
+def test_no_engine_module_but_compat_uses_a_private_name_of_lightning_or_torch():
+    uses = {
+        path.name: private_uses(path.read_text()) for path in sorted(ENGINE.glob("*.py")) if path.name != "compat.py"
+    }
+    found = [f"project/engine/{name}:{use}" for name, names in uses.items() for use in names]
+    assert not found, "private APIs outside project/engine/compat.py:\n" + "\n".join(found)

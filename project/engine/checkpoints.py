@@ -1,12 +1,12 @@
 """Checkpoint files: written so that a kill or a full disk at any moment cannot corrupt them, read so that a file
 from anywhere cannot run code."""
 
+import contextlib
 import copy
 import os
 import pickle
 import re
 import sys
-import threading
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -17,19 +17,27 @@ from typing import Any, BinaryIO
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
+from project.engine.compat import (
+    count_pending_saves_as_files,
+    crc32_off_in_this_thread,
+    restore_file_exists,
+    version_counter,
+)
+
+FilePath = str | os.PathLike  # a path; Lightning's own alias, `_PATH`, is private
+
 
 class CheckpointLoadError(ValueError):
     """A file that cannot be loaded as a checkpoint (or not into this model); the message names it and the fix."""
 
 
-def load_checkpoint_file(path: _PATH, mmap: bool = False, map_location: Any = "cpu") -> dict[str, Any]:
+def load_checkpoint_file(path: FilePath, mmap: bool = False, map_location: Any = "cpu") -> dict[str, Any]:
     """``torch.load`` with ``weights_only=True``: tensors, numbers, strings and containers only, never code.
 
     A pickle can name any function to call while it is loaded (``os.system``, ...); ``weights_only`` refuses
@@ -63,7 +71,7 @@ def load_checkpoint_file(path: _PATH, mmap: bool = False, map_location: Any = "c
     return checkpoint
 
 
-def check_fits(path: _PATH, module: nn.Module) -> None:
+def check_fits(path: FilePath, module: nn.Module) -> None:
     """Raises ``CheckpointLoadError`` listing each parameter whose shape differs (and, when the module loads
     strictly, each one missing on either side), before a run starts and writes anything.
 
@@ -172,10 +180,7 @@ def _key(t: torch.Tensor) -> tuple:
 
 
 def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version  # bumped by every in-place write (optimizer steps, running stats)
-    except RuntimeError:  # inference tensors have no version counter: always copied
-        return None
+    return version_counter(t)  # bumped by every in-place write (optimizer steps, running stats); None: copied
 
 
 def _to_host(t: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
@@ -240,7 +245,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     filesystem, some network mounts), each name is written in full.
 
     The zip's CRC-32 of each record is not computed (``crc32``): ``torch.load`` never checks it, and it was half
-    of a write's CPU time. Tools that verify zip archives (``unzip -t``) then report the records as damaged.
+    of a write's CPU time. Tools that verify zip archives (``unzip -t``) then report the records as damaged. Only
+    the writing thread's ``torch.save`` leaves it out (torch keeps that setting per thread); where a torch version
+    keeps it for the whole process, every file gets its CRC-32.
 
     Loading always uses ``weights_only=True`` (see ``load_checkpoint_file``), whatever ``--weights_only`` says.
 
@@ -258,7 +265,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self._queued: list[Future] = []  # writes and removals in flight, in order
         self._held: _Point | None = None
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: FilePath, storage_options: Any | None = None) -> None:
         # SLURM's hpc_ckpt: Lightning requeues the job right after this returns, and the job is killed soon after,
         # so the file must be whole by then
         if "://" in str(path) or not self.background or Path(path).name.startswith("hpc_ckpt_"):
@@ -281,13 +288,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         else:
             self._submit(self._save_atomically, on_host, path)
 
-    def claims(self, path: _PATH) -> bool:
+    def claims(self, path: FilePath) -> bool:
         """Whether a save to ``path`` is held or being written: the name is taken, though not yet on disk."""
         path = Path(path)
         held = self._held is not None and path in self._held.paths and path not in self._held.removals
         return held or any(path in getattr(f, "paths", ()) and not f.done() for f in self._queued)
 
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: FilePath) -> None:
         if self._held is not None:
             self._held.removals.append(Path(path))
         elif self._queued:
@@ -387,27 +394,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
 
     def _write(self, checkpoint: dict[str, Any], f: BinaryIO) -> None:  # tests.faults.DiskFullOnSave cuts it short
-        if self.crc32:
+        with crc32_off_in_this_thread() if not self.crc32 else contextlib.nullcontext():
             torch.save(checkpoint, f)
-            return
-        with _CRC32_SETTING:  # torch reads its process-wide setting as it opens the archive
-            before = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-            try:
-                torch.save(checkpoint, f)
-            finally:
-                torch.serialization.set_crc32_options(before)
 
-    def load_checkpoint(self, path: _PATH, map_location: Any = "cpu", weights_only: bool | None = None) -> dict:
+    def load_checkpoint(self, path: FilePath, map_location: Any = "cpu", weights_only: bool | None = None) -> dict:
         self.wait()
         if "://" in str(path):
             return super().load_checkpoint(path, map_location, weights_only=True)
         if not Path(path).is_file():
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return load_checkpoint_file(path, map_location=map_location)
-
-
-_CRC32_SETTING = threading.Lock()
 
 
 class OneFilePerPoint(Callback):
@@ -429,8 +425,7 @@ class OneFilePerPoint(Callback):
             io.hold_points = True
             for callback in trainer.checkpoint_callbacks:
                 if isinstance(callback, ModelCheckpoint):
-                    vars(callback).pop("file_exists", None)  # a failed fit skips teardown: never wrapped twice
-                    callback.file_exists = _with_pending_writes(callback.file_exists, io)  # type: ignore[method-assign]
+                    count_pending_saves_as_files(callback, _pending_write(io))
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._close(trainer)
@@ -443,7 +438,7 @@ class OneFilePerPoint(Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._close(trainer)
         for callback in trainer.checkpoint_callbacks:
-            vars(callback).pop("file_exists", None)  # the class's own again
+            restore_file_exists(callback)  # the class's own again
 
     def _close(self, trainer: L.Trainer) -> None:
         io = trainer.strategy.checkpoint_io
@@ -451,13 +446,12 @@ class OneFilePerPoint(Callback):
             io.close_point()
 
 
-def _with_pending_writes(on_disk: Callable[[_PATH, L.Trainer], bool], io: AtomicCheckpointIO) -> Callable:
-    def file_exists(filepath: _PATH, trainer: L.Trainer) -> bool:
+def _pending_write(io: AtomicCheckpointIO) -> Callable[[FilePath, L.Trainer], bool]:
+    def pending(filepath: FilePath, trainer: L.Trainer) -> bool:
         # rank 0 alone writes; every rank takes the same decision (one more collective, at a save only)
-        pending = trainer.strategy.reduce_boolean_decision(trainer.is_global_zero and io.claims(filepath), all=False)
-        return pending or on_disk(filepath, trainer)
+        return trainer.strategy.reduce_boolean_decision(trainer.is_global_zero and io.claims(filepath), all=False)
 
-    return file_exists
+    return pending
 
 
 def wait_for_writes(trainer: Any) -> None:

@@ -2,7 +2,6 @@
 (``project.engine.runs``) before anything is built; bad input ends in one ``error:`` line
 (``project.engine.errors``)."""
 
-import gc
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,20 +15,19 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from project.engine.after_fit import test_best
 from project.engine.checkpoints import OneFilePerPoint, check_fits
-from project.engine.compat import cli_section, skip_moves_already_done
+from project.engine.compat import cli_section
 from project.engine.config import SaveConfigOnce, default_config_candidates, find_default_config
-from project.engine.console import quiet_console
 from project.engine.distributed import DestroyProcessGroup
 from project.engine.errors import check_yaml_files, one_line_errors, root_cause
 from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
-from project.engine.host_memory import keep_freed_host_memory
 from project.engine.loggers import let_appended_loggers_parse
 from project.engine.predictions import PredictionWriter
 from project.engine.profiler import NoProfiler
 from project.engine.rank_failures import RankFailures
 from project.engine.resume import ExactResume
 from project.engine.run_folder import RunFolder
+from project.engine.run_scope import for_the_run, freeze_what_was_built
 from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point_loggers_at
 from project.engine.sharded import ShardedStrategy as Sharded
 from project.engine.sharded import check_same_network
@@ -87,7 +85,7 @@ class CLI(LightningCLI):
                 )
             if self.run_plan is not None and rank_zero_only.rank == 0:
                 keep_csv_history(self.run_plan, self.trainer.loggers)
-            gc.freeze()  # the parsers, config and objects just built, too (see cli_main)
+            freeze_what_was_built()
         except ValueError as error:  # e.g. "lr (-0.1) must be > 0" from a constructor
             self.parser.error(str(root_cause(error)))
         except MisconfigurationException as error:  # the Trainer's, e.g. more devices than the machine has
@@ -141,16 +139,11 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
         rank_zero_only(print)(f"note: no base config at {looked}: only the --config files and flags given apply")
     defaults = [str(default)] if default else []
     kwargs = {"default_config_files": defaults, "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}
-    quiet_console()
     given = argv[0] if isinstance(argv, list | tuple) and argv else None
     only = given if run and given in SUBCOMMANDS else None
-    # Python's full garbage collections walk every object alive, and importing Lightning leaves ~450k of them: one
-    # pass cost 0.22 s of start-up here, more came during training, and the one at exit 1.2 s. Objects frozen now
-    # are left out of those passes (the few dozen that are already garbage are kept); later ones are collected.
-    gc.freeze()
-    keep_freed_host_memory()  # each step reuses what the last one freed (a process-wide setting)
-    skip_moves_already_done()  # each self.log call no longer walks its stored result (0.28 ms here)
-    try:
+    # signals, warning filters, gc, patches: as they were once the run returns or raises (nested, not one `with`:
+    # the block below is left as it was)
+    with for_the_run():  # noqa: SIM117
         with one_line_errors():
             return CLI(
                 only=only,
@@ -170,6 +163,3 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
                 args=args,
                 run=run,
             )
-    finally:
-        if args is not None:  # called from Python (a test, a notebook), which lives on: collect them as before
-            gc.unfreeze()

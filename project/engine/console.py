@@ -11,10 +11,12 @@ Silenced here, each by its exact message (and category, for warnings), never all
 dependency upgrade it is either acted on or added here on purpose (``tests/test_console.py`` lists every line).
 """
 
+import contextlib
 import logging
 import os
 import re
 import warnings
+from collections.abc import Iterator
 
 VERBOSE_ENV = "PROJECT_VERBOSE"
 
@@ -57,21 +59,30 @@ class _DropInfo(logging.Filter):
         return not _RANK_PREFIX.sub("", record.getMessage()).startswith(SILENCED_INFO)
 
 
-def quiet_console() -> None:
-    """Installs the filters in this process (every rank calls it); nothing when ``PROJECT_VERBOSE`` is set."""
+LOGGERS = (  # the loggers that create the records (a logger's filter does not see its children's records)
+    "lightning.fabric.utilities.rank_zero",  # rank_zero_info's
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.seed",
+    "lightning.fabric.utilities.distributed",
+    "lightning.pytorch.accelerators.cuda",
+)
+
+
+@contextlib.contextmanager
+def quiet_console() -> Iterator[None]:
+    """The filters, while the block runs (every rank's run is one); nothing when ``PROJECT_VERBOSE`` is set. After
+    it, ``warnings.filters`` is the list it was before, and the logging filters are gone."""
     if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+        yield
         return
-    for message, category in SILENCED_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=category)
-    # Filters on the loggers that create the records (a logger's filter does not see its children's records):
-    # rank_zero_info's, and the seed and process-group modules' own.
-    for name in (
-        "lightning.fabric.utilities.rank_zero",
-        "lightning.pytorch.utilities.rank_zero",
-        "lightning.fabric.utilities.seed",
-        "lightning.fabric.utilities.distributed",
-        "lightning.pytorch.accelerators.cuda",
-    ):
-        log = logging.getLogger(name)
-        if not any(isinstance(f, _DropInfo) for f in log.filters):
-            log.addFilter(_DropInfo())
+    drop = _DropInfo()
+    with warnings.catch_warnings():
+        for message, category in SILENCED_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        for name in LOGGERS:
+            logging.getLogger(name).addFilter(drop)
+        try:
+            yield
+        finally:
+            for name in LOGGERS:
+                logging.getLogger(name).removeFilter(drop)

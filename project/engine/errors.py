@@ -17,8 +17,11 @@ import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser
 
+from project.engine.compat import LightningChanged
+
 # What bad input raises once a run has started; anything else is a bug and keeps its traceback.
-RUN_ERRORS = (ValueError, OSError, MisconfigurationException)
+# LightningChanged: a private API that moved (project.engine.compat) stops the run in one line, too
+RUN_ERRORS = (ValueError, OSError, MisconfigurationException, LightningChanged)
 
 
 def check_yaml_files(parser: LightningArgumentParser, args: ArgsType) -> None:

@@ -95,4 +95,21 @@ class Guarantees(Callback):
             f"Run {trainer.default_root_dir} ({start}) | {self._ranks(trainer)} | exact resume: {exact}"
             f" | logs: {self._logs(trainer)}"
         )
-        return line + (" | opts out: " + "; ".join(out) if out else "")
+        return line + (" | opts out: " + "; ".join(out) if out else "") + speed_switches(trainer)
+
+
+def speed_switches(trainer: L.Trainer) -> str:
+    """`` | speed: ...``, the speed switches on in this run that change more than the loop (each set for the run and
+    undone after: ``project.engine.run_scope``, ``host_memory``); empty when none is."""
+    from project.engine import host_memory, run_scope
+    from project.engine.checkpoints import AtomicCheckpointIO
+    from project.engine.compat import moves_skipped
+
+    on = ["malloc keeps freed memory"] if host_memory.in_force else []
+    on += ["heap frozen (gc)"] if run_scope.heap_frozen() else []
+    on += ["self.log skips moves"] if moves_skipped() else []
+    io = trainer.strategy.checkpoint_io
+    if isinstance(io, AtomicCheckpointIO):
+        on += ["saves in the background"] if io.background else []
+        on += ["no CRC-32 in checkpoints"] if not io.crc32 else []
+    return " | speed: " + ", ".join(on) if on else ""

@@ -22,6 +22,13 @@ class StopOnNonFinite(Callback):
     non-finite gradients are expected now and then and the scaler skips those steps itself, so this stands aside.
     """
 
+    batch_idx = -1  # of the batch in progress (the message names it)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.batch_idx = batch_idx
+
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             return
@@ -33,7 +40,7 @@ class StopOnNonFinite(Callback):
             if last and os.path.exists(last)
             else ""
         )
-        batch = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1
+        batch = self.batch_idx
         message = (
             f"error: the gradients became NaN or infinite at step {trainer.global_step} (epoch "
             f"{trainer.current_epoch}, batch {batch}); training stopped before updating the weights. {kept}Fix: "

@@ -1,15 +1,22 @@
 """Host memory a training step frees stays with the process for the next step, instead of going back to the kernel
-and being faulted in again, page by page, zeroed."""
+and being faulted in again, page by page, zeroed: ``KeepFreedHostMemory``, a switch in ``configs/default.yaml``,
+on for CPU runs only, named in the start line and undone when the run ends."""
 
 import ctypes
 import os
 import sys
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
 
 # glibc's mallopt parameters (malloc.h) and the values set
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 * 2**20  # the largest glibc accepts: blocks up to 32 MiB come from the heap, reused
 TRIM_THRESHOLD = 2**30  # free memory at the heap's top is returned to the kernel only beyond 1 GiB
 ENVIRONMENT = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+GLIBC_DEFAULT = 128 * 2**10  # both thresholds' values in a process that never set them
+in_force = False  # whether the thresholds above are set now (by keep_freed_host_memory)
 
 
 def keep_freed_host_memory() -> bool:
@@ -31,4 +38,51 @@ def keep_freed_host_memory() -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # no mallopt (not glibc)
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    global in_force
+    in_force = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return in_force
+
+
+def give_freed_host_memory_back() -> None:
+    """Sets both thresholds back to glibc's starting values (128 KiB), if ``keep_freed_host_memory`` set them.
+
+    glibc offers no way back to its *dynamic* mmap threshold (which rises to the size of the largest mmapped block
+    freed, up to 32 MiB): once any threshold is set it stays fixed. So after a run, blocks over 128 KiB come from
+    fresh pages and the heap top is trimmed beyond 128 KiB: glibc's documented defaults, never the engine's.
+    """
+    global in_force
+    if in_force:
+        mallopt = ctypes.CDLL(None).mallopt
+        mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT)
+        mallopt(M_TRIM_THRESHOLD, GLIBC_DEFAULT)
+        in_force = False
+
+
+class KeepFreedHostMemory(Callback):
+    """``keep_freed_host_memory`` while a run on CPUs lasts (from ``setup`` to ``teardown``, or its failure).
+
+    On a GPU the tensors a step frees go back to CUDA's caching allocator, and the host has nothing to gain, so a run
+    on another accelerator leaves malloc alone. Data loader workers forked during the run inherit the setting.
+
+    Args:
+        enabled: ``false`` leaves malloc as it is (e.g. to measure without it).
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.applied = False
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.enabled and not in_force and trainer.strategy.root_device.type == "cpu":
+            self.applied = keep_freed_host_memory()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._undo()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._undo()  # Lightning skips teardown after a failure
+
+    def _undo(self, *_: Any) -> None:
+        if self.applied:
+            give_freed_host_memory_back()
+            self.applied = False

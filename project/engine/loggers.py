@@ -8,6 +8,8 @@ from typing import Any
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from project.engine.compat import experiment_opened, replace_log_metrics
+
 
 class ThrottledTensorBoardLogger(TensorBoardLogger):
     """Lightning's TensorBoard logger, handing its values to the event writer every ``flush_seconds`` in one batch
@@ -102,7 +104,7 @@ class ThrottledTensorBoardLogger(TensorBoardLogger):
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        if self._experiment is not None:
+        if experiment_opened(self):
             self.flush()
         super().finalize(status)
 
@@ -121,10 +123,9 @@ class StepGate:
     """
 
     def __init__(self, logger: Any, resumed_at: int, hold: bool) -> None:
-        self.logger, self.log_metrics = logger, logger.log_metrics
+        self.logger, self.log_metrics = logger, replace_log_metrics(logger, self.gate)
         self.resumed_at, self.hold = resumed_at, hold
         self.pending: list[tuple[dict[str, float], int | None]] = []
-        logger.log_metrics = self.gate
 
     def gate(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if step is not None and step < self.resumed_at:
@@ -145,7 +146,7 @@ class StepGate:
             self.logger.save()
 
     def detach(self) -> None:
-        self.logger.log_metrics = self.log_metrics
+        replace_log_metrics(self.logger, self.log_metrics)
 
 
 def let_appended_loggers_parse(args: list[str]) -> list[str]:

@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from project.engine.compat import PEER_GONE, launched_children
 from project.engine.runs import find_last_checkpoint
 from project.engine.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
@@ -44,9 +45,7 @@ WAIT_S = 5.0  # how long a survivor waits to learn which rank died and how
 def is_peer_gone(error: BaseException) -> bool:
     """The error a collective raises when another rank's process is gone (gloo), not an error of this rank."""
     text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        s in text for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "pair.cc")
-    )
+    return isinstance(error, RuntimeError) and any(s in text for s in PEER_GONE)
 
 
 def resume_command(argv: list[str]) -> str:
@@ -86,7 +85,7 @@ class RankFailures(Callback):
         # Lightning's launcher (not torchrun/SLURM) started the ranks: the others are rank 0's children
         self.active = trainer.world_size > 1 and type(trainer.strategy.cluster_environment) is LightningEnvironment
         self.parent = os.getppid()
-        self.children = list(getattr(trainer.strategy.launcher, "procs", None) or [])
+        self.children = launched_children(trainer)
         self.notes = Path(trainer.default_root_dir) / NOTES
         self.family = Path(trainer.default_root_dir).parent
         if self.active and self.rank == 0 and self.notes.is_dir():

@@ -9,6 +9,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
+from project.engine.compat import reopen_an_epoch_stopped_mid_way, start_the_epoch_lightning_skipped
+
 
 class ExactResume(Callback):
     """Puts in each checkpoint what Lightning leaves out and a bit-exact resume needs.
@@ -36,7 +38,7 @@ class ExactResume(Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         _flush_loggers(trainer)
         self._flush_before_next_batch = True
-        _reopen_an_epoch_stopped_mid_way(checkpoint)
+        reopen_an_epoch_stopped_mid_way(checkpoint)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_started = trainer.current_epoch
@@ -48,7 +50,7 @@ class ExactResume(Callback):
             # Resumed from a checkpoint taken at the previous epoch's last batch end, Lightning 2.6 starts this
             # epoch without calling on_train_epoch_start: the module's epoch-start work (e.g. resetting train
             # metrics) would be skipped and the resumed run would differ from the uninterrupted one.
-            pl_module.on_train_epoch_start()
+            start_the_epoch_lightning_skipped(pl_module)
             self._epoch_started = trainer.current_epoch
         # Lightning hands a step's values (and an epoch's, train/acc ...) to the loggers after the batch-end and
         # epoch-end hooks where checkpoints are saved, and a resume from that checkpoint does not log them again:
@@ -81,24 +83,6 @@ class ExactResume(Callback):
             )
             return
         _set_rng_tensors(ranks[trainer.global_rank])
-
-
-def _reopen_an_epoch_stopped_mid_way(checkpoint: dict) -> None:
-    """A fit stopped mid-epoch (``max_time``, ``max_steps``, an early stop) counts that epoch as done before its
-    end-of-fit save, so ``--ckpt_path last`` would start the next epoch (its data order, its epoch number) at the
-    batch where this one stopped. The checkpoint is written as a save during that epoch would be: the epoch
-    started and not yet processed."""
-    fit = checkpoint.get("loops", {}).get("fit_loop", {})
-    batches, epochs = fit.get("epoch_loop.batch_progress"), fit.get("epoch_progress")
-    if not batches or not epochs:
-        return
-    mid_epoch = not batches["is_last_batch"] and batches["current"]["completed"] > 0
-    counted = epochs["current"]["completed"] == epochs["current"]["ready"] > 0
-    if mid_epoch and counted:
-        for counts in (epochs["current"], epochs["total"]):
-            counts["processed"] -= 1
-            counts["completed"] -= 1
-        checkpoint["epoch"] = epochs["current"]["completed"]
 
 
 def _flush_loggers(trainer: L.Trainer) -> None:

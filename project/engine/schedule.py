@@ -8,6 +8,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from project.engine.compat import set_last_lr
+
 
 def warmup_cosine_lr(
     t: int, base_lr: float, warmup_epochs: int, max_epochs: int, warmup_start_lr: float, eta_min: float
@@ -62,9 +64,6 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
             for base_lr in self.base_lrs
         ]
 
-    # torch uses this when step() is given an explicit epoch; ours is closed-form anyway.
-    _get_closed_form_lr = get_lr
-
     def set_horizon(self, warmup_epochs: int, max_epochs: int) -> None:
         """Change W and M (e.g. epochs converted to steps once the data is known) and apply the new rate now."""
         _check_horizon(warmup_epochs, max_epochs)
@@ -102,7 +101,7 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
     def _apply_lr(self) -> None:
         for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
             group["lr"] = lr
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        set_last_lr(self, [group["lr"] for group in self.optimizer.param_groups])
 
 
 def _check_horizon(warmup_epochs: int, max_epochs: int) -> None:

@@ -29,12 +29,11 @@ from typing import Any, Literal
 # torch.distributed.checkpoint is imported in the functions that use it: every run imports this module (the CLI
 # checks for the strategy, --ckpt_path last looks for folders), and DCP costs ~30 ms of each start-up.
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from project.engine.checkpoints import CheckpointLoadError
-from project.engine.compat import set_nested, shard_over_all_ranks
+from project.engine.checkpoints import CheckpointLoadError, FilePath
+from project.engine.compat import index_for_reader, load_bytes_weights_only, shard_over_all_ranks
 
 META = "meta.pt"  # Lightning's name for the non-tensor part (loops, callbacks, hyperparameters)
 INDEX = ".metadata"  # DCP's index of the shards, written by the coordinator once every rank has written
@@ -42,19 +41,19 @@ WORLD_SIZE = "sharded_world_size"  # key in meta.pt: how many ranks wrote the fo
 DCP_INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 
 
-def is_sharded_checkpoint(path: _PATH) -> bool:
+def is_sharded_checkpoint(path: FilePath) -> bool:
     """A complete sharded checkpoint folder (an interrupted save leaves ``<name>.tmp``, which is never one)."""
     path = Path(path)
     return path.is_dir() and (path / META).is_file() and (path / INDEX).is_file()
 
 
-def is_checkpoint_folder(path: _PATH) -> bool:
+def is_checkpoint_folder(path: FilePath) -> bool:
     """A sharded checkpoint folder, complete or not (a run folder holds none of these files)."""
     path = Path(path)
     return path.is_dir() and ((path / META).exists() or (path / INDEX).exists() or any(path.glob("*.distcp")))
 
 
-def check_complete(path: _PATH) -> None:
+def check_complete(path: FilePath) -> None:
     path = Path(path)
     missing = [name for name in (META, INDEX) if not (path / name).is_file()]
     if missing:
@@ -63,7 +62,7 @@ def check_complete(path: _PATH) -> None:
         )
 
 
-def read_meta(path: _PATH) -> dict[str, Any]:
+def read_meta(path: FilePath) -> dict[str, Any]:
     """``meta.pt`` of a complete folder, with ``weights_only=True``; raises ``CheckpointLoadError``."""
     check_complete(path)
     try:
@@ -100,7 +99,7 @@ class _IndexUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
 
 
-def read_index(path: _PATH) -> Any:
+def read_index(path: FilePath) -> Any:
     """DCP's ``Metadata`` of a complete folder, read by ``_IndexUnpickler``; raises ``CheckpointLoadError``."""
     check_complete(path)
     try:
@@ -116,21 +115,14 @@ def read_index(path: _PATH) -> Any:
 def _safe_reader_and_planner() -> tuple[type, type]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_index(self.path)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+            return index_for_reader(self, read_index(self.path))
 
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # the default: weights_only=False
-            set_nested(
-                self.original_state_dict, self.mappings[read_item.dest_index.fqn], torch.load(value, weights_only=True)
-            )
+            load_bytes_weights_only(self, read_item, value)
 
     return SafeReader, SafePlanner
 
@@ -142,7 +134,7 @@ def _load(state: dict[str, Any], path: Path, single_process: bool = False) -> No
     dcp.load(state, storage_reader=reader(path), planner=planner(), no_dist=single_process)
 
 
-def _saved_tensors(path: _PATH, prefix: str) -> dict[str, Any]:
+def _saved_tensors(path: FilePath, prefix: str) -> dict[str, Any]:
     """The index's entry (``size``, ``properties``) of each saved tensor whose key starts with ``prefix``."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -204,7 +196,9 @@ class ShardedStrategy(ModelParallelStrategy):
             )
         super().setup(trainer)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: FilePath, storage_options: Any | None = None
+    ) -> None:
         path = Path(self.broadcast(str(filepath)))
         tmp = path.with_name(f"{path.name}.tmp")
         if self.global_rank == 0:
@@ -227,11 +221,11 @@ class ShardedStrategy(ModelParallelStrategy):
             shutil.rmtree(old, ignore_errors=True)
         self.barrier()
 
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: FilePath) -> None:
         if self.global_rank == 0:
             shutil.rmtree(filepath, ignore_errors=True) if Path(filepath).is_dir() else Path(filepath).unlink(True)
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: FilePath, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         if not path.is_dir():
             raise CheckpointLoadError(
@@ -269,7 +263,7 @@ class ShardedStrategy(ModelParallelStrategy):
         return meta
 
 
-def full_state_dict(path: _PATH, prefix: str = "state_dict.") -> dict[str, torch.Tensor]:
+def full_state_dict(path: FilePath, prefix: str = "state_dict.") -> dict[str, torch.Tensor]:
     """The full tensors under ``prefix`` (``state_dict.``: the module's weights; ``optimizer_0.``: its optimizer
     state), consolidated from every rank's shard on this one process."""
     path = Path(path)

@@ -33,6 +33,9 @@ class Preemption(Callback):
     under DDP only) and Lightning's SIGTERM stop runs on all of them at the same point. A validation that starts
     after that batch runs to its end first: Lightning would stop it after its first batch, where nothing can be
     saved that resumes exactly. A second Ctrl-C aborts at once, without saving.
+
+    The SIGINT and SIGUSR1 handlers found at ``setup`` (an IPython kernel's, a launcher's) are set back at
+    ``teardown`` and after a failure.
     """
 
     def __init__(self) -> None:
@@ -40,10 +43,12 @@ class Preemption(Callback):
         self._pending_signal: int | None = None
         self._ctrl_c = False  # seen by this process
         self._interrupted = False  # agreed by all ranks
+        self._previous: dict[int, Any] = {}  # the handlers found at setup
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        self._previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGUSR1)}
         if not SLURMEnvironment.detect():
             signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
         if stage == "fit":
@@ -55,8 +60,14 @@ class Preemption(Callback):
         rank_zero_info("\nCtrl-C: stopping after this batch and saving last.ckpt (Ctrl-C again: abort, no save).")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit" and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        self._restore()
+
+    def _restore(self) -> None:
+        previous, self._previous = self._previous, {}
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in previous.items():
+                if handler is not None:  # None: set outside Python, nothing to set back
+                    signal.signal(signum, handler)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Under SLURM, Lightning's SIGUSR1 handler checkpoints and requeues inside the signal handler; landing
@@ -91,6 +102,7 @@ class Preemption(Callback):
             request_stop_at_batch_end(trainer)  # Lightning stops right after this validation
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore()  # Lightning skips teardown after a failure
         if not isinstance(exception, SIGTERMException):
             return
         path = last_checkpoint_path(trainer)

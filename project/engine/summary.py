@@ -6,6 +6,8 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from project.engine.compat import CLI_HPARAM_KEYS
+
 
 class RunSummary(L.Callback):
     """At the end of ``fit``, rank 0 prints one line, e.g.
@@ -58,4 +60,4 @@ def _run_hparams(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, 
     hparams = dict(pl_module.hparams_initial)
     if trainer.datamodule is not None:
         hparams.update(trainer.datamodule.hparams_initial)
-    return {k: v for k, v in hparams.items() if k not in ("_class_path", "_instantiator")}
+    return {k: v for k, v in hparams.items() if k not in CLI_HPARAM_KEYS}
