@@ -1,9 +1,9 @@
-"""Data: the bundled scikit-learn digits, split deterministically, in loaders that resume mid-epoch exactly.
+"""Data: the bundled scikit-learn digits, split deterministically, in plain ``DataLoader``s.
 
 To train on your own data, write a LightningDataModule like ``DigitsDataModule`` (``setup`` builds datasets,
-``*_dataloader`` wraps them with ``make_loader``) and select it with ``--data my_pkg.data.MyData``. Keep
-``make_loader``: it is what makes a resumed run see the same batches, and every validation sample counted
-exactly once under DDP.
+``*_dataloader`` returns ``DataLoader``s, as Lightning's docs teach) and select it with ``--data my_pkg.data.MyData``.
+The engine puts its own samplers into these loaders, so a resumed run sees the same batches and, under DDP, every
+evaluation sample is counted exactly once (``project.engine.user_loaders``).
 """
 
 import gzip
@@ -13,9 +13,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
-
-from project.engine.loaders import TensorBatchDataset, make_loader
+from torch.utils.data import DataLoader, TensorDataset
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
@@ -41,7 +39,7 @@ class DigitsDataModule(L.LightningDataModule):
         batch_size: Samples per batch on each rank (the global batch is ``batch_size * world_size``).
         val_fraction: Share of the data held out for validation.
         test_fraction: Share of the data held out for testing.
-        seed: Seeds the train/val/test split and the shuffle order of every epoch.
+        seed: Seeds the train/val/test split (the shuffle order of each epoch follows the run's ``seed_everything``).
         num_workers: Loader worker processes per rank; 0 loads in the main process (best for in-memory data).
         pin_memory: Page-lock batches for faster host-to-GPU copies.
         persistent_workers: Keep workers alive between epochs (needs ``num_workers > 0``).
@@ -72,7 +70,7 @@ class DigitsDataModule(L.LightningDataModule):
         if persistent_workers and num_workers == 0:
             raise ValueError("persistent_workers=True needs num_workers > 0")
         self.save_hyperparameters()
-        self.splits: dict[str, TensorBatchDataset] = {}
+        self.splits: dict[str, TensorDataset] = {}
 
     def setup(self, stage: str) -> None:
         if self.splits:
@@ -84,9 +82,9 @@ class DigitsDataModule(L.LightningDataModule):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.seed))
         n_val, n_test = int(n * self.hparams.val_fraction), int(n * self.hparams.test_fraction)
         parts = {"val": order[:n_val], "test": order[n_val : n_val + n_test], "train": order[n_val + n_test :]}
-        self.splits = {name: TensorBatchDataset(images[idx], labels[idx]) for name, idx in parts.items()}
+        self.splits = {name: TensorDataset(images[idx], labels[idx]) for name, idx in parts.items()}
 
-    def _loader(self, split: str, train: bool = False) -> DataLoader:
+    def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
         hp = self.hparams
         if len(self.splits[split]) == 0:  # the fractions were checked in __init__, the counts only exist now
             n, fraction = sum(len(s) for s in self.splits.values()), f"{split}_fraction"
@@ -94,19 +92,17 @@ class DigitsDataModule(L.LightningDataModule):
                 f"{fraction} ({hp[fraction]}) leaves no {split} samples: int({hp[fraction]} * {n}) = 0 of the {n} "
                 f"digits. Raise --data.{fraction} to at least {-(-10000 // n) / 1e4}."
             )
-        return make_loader(
+        return DataLoader(
             self.splits[split],
-            self.trainer,
-            train=train,
-            seed=hp.seed,
             batch_size=hp.batch_size,
+            shuffle=shuffle,
             num_workers=hp.num_workers,
             pin_memory=hp.pin_memory,
             persistent_workers=hp.persistent_workers,
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", train=True)
+        return self._loader("train", shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val")

@@ -23,10 +23,14 @@ class KillAt(L.Callback):
         rank: Only this global rank dies (None: every rank).
         once_marker: If given, die only when this file does not exist yet, and create it: a restarted run
             (torchrun --max-restarts) then goes through.
+        settle: First wait until the background checkpoint writes are on disk, so that the newest checkpoint is
+            the one the test expects whatever the machine's load.
     """
 
-    def __init__(self, step: int, sig: int = 9, rank: int | None = None, once_marker: str | None = None) -> None:
-        self.step, self.sig, self.rank, self.once_marker = step, sig, rank, once_marker
+    def __init__(
+        self, step: int, sig: int = 9, rank: int | None = None, once_marker: str | None = None, settle: bool = False
+    ) -> None:
+        self.step, self.sig, self.rank, self.once_marker, self.settle = step, sig, rank, once_marker, settle
 
     def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
         if trainer.global_step != self.step or self.rank not in (None, trainer.global_rank):
@@ -35,6 +39,8 @@ class KillAt(L.Callback):
             if Path(self.once_marker).exists():
                 return
             Path(self.once_marker).touch()
+        if self.settle:
+            wait_for_writes(trainer)
         os.kill(os.getpid(), signal.Signals(self.sig))
 
 

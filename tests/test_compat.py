@@ -16,12 +16,14 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project.engine.compat import (
     cli_section,
+    loader_with_sampler,
     request_stop_at_batch_end,
     save_last_unless_saved_at_this_step,
     set_csv_columns,
     set_nested,
     shard_over_all_ranks,
     state_key_arguments,
+    uses_distributed_sampler,
 )
 from project.module import Classifier
 from project.nets import MLP
@@ -504,3 +506,29 @@ def test_no_engine_module_but_compat_uses_a_private_name_of_lightning_or_torch()
     }
     found = [f"project/engine/{name}:{use}" for name, names in uses.items() for use in names]
     assert not found, "private APIs outside project/engine/compat.py:\n" + "\n".join(found)
+
+
+def test_update_dataloader_rebuilds_a_loader_of_the_users_class_with_another_sampler():
+    from lightning.pytorch.utilities import data
+
+    assert hasattr(data, "_update_dataloader"), "lightning.pytorch.utilities.data._update_dataloader is gone"
+    from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
+
+    class Loader(DataLoader):
+        def __init__(self, dataset, note: str, **kwargs):
+            super().__init__(dataset, **kwargs)
+            self.note = note
+
+    dataset = TensorDataset(torch.arange(10))
+    sampler = SequentialSampler(range(10))
+    rebuilt = loader_with_sampler(Loader(dataset, "mine", batch_size=3, shuffle=True, drop_last=True), sampler)
+    assert type(rebuilt) is Loader and rebuilt.note == "mine" and rebuilt.dataset is dataset
+    assert rebuilt.sampler is sampler and rebuilt.batch_size == 3 and rebuilt.drop_last
+
+
+def test_accelerator_connector_holds_the_use_distributed_sampler_flag():
+    assert hasattr(L.Trainer(logger=False)._accelerator_connector, "use_distributed_sampler"), (
+        "Trainer._accelerator_connector.use_distributed_sampler is gone"
+    )
+    assert uses_distributed_sampler(L.Trainer(logger=False, accelerator="cpu"))
+    assert not uses_distributed_sampler(L.Trainer(logger=False, accelerator="cpu", use_distributed_sampler=False))

@@ -32,6 +32,7 @@ from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point
 from project.engine.sharded import ShardedStrategy as Sharded
 from project.engine.sharded import check_same_network
 from project.engine.signals import Preemption
+from project.engine.user_loaders import UserLoaders
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -156,6 +157,7 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
                         *(ExactResume(), Preemption(), StopOnNonFinite(), RankFailures(), DestroyProcessGroup()),
                         OneFilePerPoint(),
                         PredictionWriter(),
+                        UserLoaders(),
                     ]
                 },
                 # The usage line, not all 60 options, above an error; --help lists them.

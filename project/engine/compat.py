@@ -15,6 +15,11 @@ on a Lightning version where one changed.
 - ``ModelCheckpoint._should_skip_saving_checkpoint`` / ``_save_last_checkpoint`` / ``_monitor_candidates``: the
   end-of-fit refresh of ``last.ckpt`` (``project.engine.last_checkpoint``), with Lightning's own bookkeeping of
   ``last_model_path`` and its skips (``fast_dev_run``, not fitting, already saved at this step).
+- ``lightning.pytorch.utilities.data._update_dataloader``: re-creates a loader (a ``DataLoader`` subclass too) from
+  the arguments its ``*_dataloader`` hook gave it, with another sampler, as Lightning puts in its
+  ``DistributedSampler`` (``project.engine.user_loaders``).
+- ``Trainer._accelerator_connector.use_distributed_sampler``: the Trainer's ``use_distributed_sampler`` flag after
+  Lightning resolved it (``project.engine.user_loaders``).
 - ``_ResultMetric.to``, called by ``_ResultCollection.log`` at every ``self.log``: replaced by one that skips the
   move when the values are already on the device (``skip_moves_already_done``, installed for a run by
   ``project.engine.run_scope`` and put back after; Lightning issue #20388).
@@ -109,6 +114,21 @@ def save_last_unless_saved_at_this_step(callback: Any, trainer: L.Trainer) -> No
     global step or Lightning would not save here at all."""
     if callback.save_last and not callback._should_skip_saving_checkpoint(trainer):
         callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def loader_with_sampler(loader: Any, sampler: Any) -> Any:
+    """A new loader of ``loader``'s class, built from the arguments it was built with but ``sampler`` (``shuffle``
+    off), as Lightning injects its ``DistributedSampler``; raises Lightning's ``MisconfigurationException`` (or a
+    ``TypeError``) when the class does not expose those arguments. Call it inside a ``*_dataloader`` hook, where
+    Lightning records them."""
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(loader, sampler)
+
+
+def uses_distributed_sampler(trainer: L.Trainer) -> bool:
+    """The Trainer's ``use_distributed_sampler``: whether Lightning puts a ``DistributedSampler`` into loaders."""
+    return bool(trainer._accelerator_connector.use_distributed_sampler)
 
 
 def skip_moves_already_done() -> Callable[[], None]:

@@ -10,6 +10,7 @@ from lightning.pytorch.utilities import CombinedLoader
 
 from project.engine.loaders import ResumableDataLoader, ResumableSampler
 from project.engine.runs import RunPlan
+from project.engine.user_loaders import UserLoaders, saves_its_state
 
 
 class Guarantees(Callback):
@@ -43,9 +44,10 @@ class Guarantees(Callback):
             return
         plan = self.plan
         weights = f"{plan.resumed_from}, step {plan.global_step}" if plan.resumed_from else "untrained weights"
+        notes = _loader_notes(trainer).get("val" if stage == "validate" else stage, [])
         print(
             f"Run {trainer.default_root_dir} ({stage} of {weights}) | {self._ranks(trainer)} | logs: "
-            f"{self._logs(trainer)}",
+            f"{self._logs(trainer)}" + (" | opts out: " + "; ".join(notes) if notes else ""),
             flush=True,
         )
 
@@ -74,10 +76,13 @@ class Guarantees(Callback):
         if not checkpoints:
             out.append("checkpointing is off: nothing to resume from")
         loaders = CombinedLoader(trainer.train_dataloader).flattened if trainer.train_dataloader is not None else []
-        if any(not isinstance(dl, ResumableDataLoader) for dl in loaders):
-            out.append("a train loader not built by make_loader: a mid-epoch resume restarts that epoch's data order")
-        elif any(not isinstance(dl.sampler, ResumableSampler) for dl in loaders):
+        notes = _loader_notes(trainer)
+        out += notes.get("train", [])
+        if any(not saves_its_state(dl) for dl in loaders) and not notes.get("train"):
+            out.append("a train loader not from a hook (given to fit): a mid-epoch resume restarts that epoch's data")
+        elif any(isinstance(dl, ResumableDataLoader) and type(dl.sampler) is not ResumableSampler for dl in loaders):
             out.append("overfit_batches: a mid-epoch resume loads the consumed batches again to skip them")
+        out += notes.get("val", [])  # built by now unless the sanity check is off
         if not torch.are_deterministic_algorithms_enabled() and trainer.strategy.root_device.type == "cuda":
             out.append("deterministic is off: nondeterministic CUDA kernels, so a resume is close, not bitwise equal")
         elif torch.is_deterministic_algorithms_warn_only_enabled() and trainer.strategy.root_device.type == "cuda":
@@ -113,3 +118,8 @@ def speed_switches(trainer: L.Trainer) -> str:
         on += ["saves in the background"] if io.background else []
         on += ["no CRC-32 in checkpoints"] if not io.crc32 else []
     return " | speed: " + ", ".join(on) if on else ""
+
+
+def _loader_notes(trainer: L.Trainer) -> dict[str, list[str]]:
+    """Per split, the guarantees the loaders that ``UserLoaders`` left alone give up."""
+    return next((c.notes for c in trainer.callbacks if isinstance(c, UserLoaders)), {})  # type: ignore[attr-defined]

@@ -1,4 +1,5 @@
-"""Loaders that resume mid-epoch exactly and evaluate every sample exactly once across ranks: ``make_loader``."""
+"""Loaders that resume mid-epoch exactly and evaluate every sample exactly once across ranks: ``ResumableSampler``,
+``ResumableDataLoader``, and ``make_loader`` that builds them (``user_loaders`` puts them into plain loaders)."""
 
 import itertools
 import math
@@ -8,7 +9,15 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 
 class ResumableSampler(DistributedSampler):
@@ -17,27 +26,63 @@ class ResumableSampler(DistributedSampler):
     ``pad=True`` (training) repeats a few indices so all ranks get the same number of samples, as
     ``DistributedSampler`` does. ``pad=False`` (evaluation) gives each index to exactly one rank, so metrics
     reduced across ranks equal the single-process value; ranks may then run different numbers of batches.
+    ``source``: a sampler whose kind of draw is kept (``RandomSampler`` with or without replacement,
+    ``SubsetRandomSampler``, ``WeightedRandomSampler``), drawn from a generator seeded with ``seed + epoch`` instead
+    of its own; ``None``: a permutation of the dataset when ``shuffle``, else its order.
     Subclassing ``DistributedSampler`` tells Lightning to leave it alone instead of wrapping it.
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool, seed: int, pad: bool) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-        self.pad = pad
-        n = len(dataset)  # type: ignore[arg-type]
-        self.num_samples = math.ceil(n / num_replicas) if pad else len(range(rank, n, num_replicas))
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        pad: bool,
+        *,
+        source: Sampler | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.pad, self.source = pad, source
+        total = len(source) if isinstance(source, _DRAWS) else len(dataset)  # type: ignore[arg-type]
+        if drop_last:
+            self.num_samples = total // num_replicas
+        else:
+            self.num_samples = math.ceil(total / num_replicas) if pad else len(range(rank, total, num_replicas))
         self.skip = 0  # samples of the current epoch already consumed before a resume
 
     def __iter__(self) -> Iterator[int]:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        else:
-            order = torch.arange(n)
-        if self.pad and n % self.num_replicas:
-            order = torch.cat([order, order[: self.num_replicas - n % self.num_replicas]])
-        mine = order[self.rank :: self.num_replicas][self.skip :]
+        order = _epoch_order(self, torch.Generator().manual_seed(self.seed + self.epoch))
+        total, world = len(order), self.num_replicas
+        if self.drop_last:
+            order = order[: total - total % world]
+        elif self.pad and total % world:
+            order = torch.cat([order, order[: world - total % world]])
+        mine = order[self.rank :: world][self.skip :]
         self.skip = 0
         return iter(mine.tolist())
+
+
+_DRAWS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)  # samplers whose draw ResumableSampler redoes
+
+
+def _epoch_order(sampler: ResumableSampler, generator: torch.Generator) -> torch.Tensor:
+    """All ranks' indices of one epoch, drawn as ``sampler.source`` would draw them, from ``generator``."""
+    source, n = sampler.source, len(sampler.dataset)  # type: ignore[arg-type]
+    if isinstance(source, SubsetRandomSampler):
+        indices = torch.as_tensor(list(source.indices))
+        return indices[torch.randperm(len(indices), generator=generator)]
+    if isinstance(source, WeightedRandomSampler):
+        return torch.multinomial(source.weights, source.num_samples, source.replacement, generator=generator)
+    if isinstance(source, RandomSampler) and source.replacement:
+        return torch.randint(n, (source.num_samples,), generator=generator)
+    if isinstance(source, RandomSampler):  # num_samples may exceed n: permutation after permutation
+        return torch.cat([torch.randperm(n, generator=generator) for _ in range(-(-source.num_samples // n))])[
+            : source.num_samples
+        ]
+    return torch.randperm(n, generator=generator) if sampler.shuffle else torch.arange(n)
 
 
 class ResumableDataLoader(DataLoader):
@@ -72,12 +117,17 @@ class ResumableDataLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": getattr(self, "_epoch", 0), "batches": getattr(self, "_yielded", 0)}
+        state = {"epoch": getattr(self, "_epoch", 0), "batches": getattr(self, "_yielded", 0)}
+        if isinstance(self.sampler, ResumableSampler):
+            state["seed"] = self.sampler.seed
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._restore = (state["epoch"], state["batches"])
         if isinstance(self.sampler, ResumableSampler):
             self.sampler.set_epoch(state["epoch"])  # Lightning sets the epoch it resumes in before iterating
+            # the run's seed may be another one now (``seed_everything: true`` draws one per run): keep the order
+            self.sampler.seed = state.get("seed", self.sampler.seed)
 
 
 class TensorBatchDataset(Dataset):
@@ -104,27 +154,15 @@ def _batch_as_is(batch: Any) -> Any:  # module level, so that worker processes c
 def make_loader(
     dataset: Dataset, trainer: "L.Trainer | None", train: bool, seed: int, collate_fn: Any = None, **kwargs: Any
 ) -> DataLoader:
-    """A loader over this rank's share of ``dataset``: shuffled, padded and resumable when ``train``.
-
-    Evaluation loaders give each sample to exactly one rank; if the LightningModule sets
-    ``evaluates_on_rank_zero``, rank 0 gets the whole set and the others one placeholder sample, which the module
-    skips (with no batch at all, Lightning would skip their epoch-end hooks, where they receive rank 0's result).
-    """
+    """A loader over this rank's share of ``dataset``: shuffled, padded and resumable when ``train``; each sample on
+    exactly one rank when not. A convenience: a plain ``DataLoader`` gets the same from the engine
+    (``project.engine.user_loaders``); this one also batches a ``TensorBatchDataset`` by one indexing op."""
     if collate_fn is None and isinstance(dataset, TensorBatchDataset):
         collate_fn = _batch_as_is
     world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-    if not train and world > 1 and getattr(trainer.lightning_module, "evaluates_on_rank_zero", False):
-        if rank != 0:
-            dataset = Subset(dataset, [0])
-        world, rank = 1, 0
     size = len(dataset)  # type: ignore[arg-type]
-    if not train and size < world:
-        # Some rank would get no batch: Lightning stops that rank alone with a traceback and the others then fail
-        # in their next collective. Every rank raises this alike instead.
-        raise ValueError(
-            f"the evaluation/predict set has {size} sample(s), fewer than the {world} ranks, and each rank needs "
-            f"one. Run it on {max(size, 1)} device(s) or fewer (--trainer.devices), or on more samples."
-        )
+    if not train:
+        check_eval_share(size, world)
     # Under sharding every forward gathers each layer's weights from all ranks, so every rank must run as many
     # evaluation batches as the others: the set is padded like the training set (a few samples count twice).
     sharded = trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy)
@@ -141,3 +179,13 @@ def make_loader(
     # A generator of its own: creating an eval iterator must not draw from the global RNG that training uses.
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, sampler=sampler, collate_fn=collate_fn, generator=generator, **kwargs)
+
+
+def check_eval_share(size: int, world: int) -> None:
+    """Raises on every rank alike when an evaluation set of ``size`` samples leaves some of ``world`` ranks none:
+    Lightning would stop that rank alone with a traceback and the others would then fail in their next collective."""
+    if size < world:
+        raise ValueError(
+            f"the evaluation/predict set has {size} sample(s), fewer than the {world} ranks, and each rank needs "
+            f"one. Run it on {max(size, 1)} device(s) or fewer (--trainer.devices), or on more samples."
+        )
