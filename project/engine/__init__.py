@@ -4,10 +4,12 @@ What it guarantees, and what user code does to get each guarantee:
 
 - **Run folder** (``runs``, ``run_folder``): every invocation writes into ``<run.root>/<run.name>/version_N/``
   (config, checkpoints, logs), never into an earlier run's; with any Lightning logger or none. Nothing to do.
-- **Exact resume** (``resume``, ``loaders``): ``fit --ckpt_path last`` continues the newest run bitwise equal to
-  an uninterrupted one (weights, optimizer, LR, every rank's RNG states, the data position mid-epoch), also under
-  DDP. User code: build train/val/test loaders with ``make_loader`` (else a mid-epoch resume restarts that
-  epoch's data order, and the start line says so); draw randomness from torch/numpy/random's global generators.
+- **Exact resume** (``resume``, ``user_loaders``, ``loaders``): ``fit --ckpt_path last`` continues the newest run
+  bitwise equal to an uninterrupted one (weights, optimizer, LR, every rank's RNG states, the data position
+  mid-epoch), also under DDP. User code: return plain ``DataLoader``s from the ``*_dataloader`` hooks; the engine
+  puts in its samplers, as Lightning puts in its ``DistributedSampler``. What it cannot rebuild (an
+  ``IterableDataset`` without state, your own sampler or batch sampler) is named in the start line. Draw
+  randomness from torch/numpy/random's global generators, or seed it per sample.
 - **Same run in every logger** (``runs``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
   each step once. Nothing to do; an unknown logger class is named at start.
 - **Checkpoints that survive a kill** (``checkpoints``): written by atomic rename in the background, loaded with
@@ -24,8 +26,9 @@ What it guarantees, and what user code does to get each guarantee:
   forward (no forward on rank 0 alone).
 - **Preemption, Ctrl-C, NaN** (``signals``, ``guards``): SIGTERM/SIGUSR1/Ctrl-C save ``last.ckpt`` and exit non-zero
   on every rank; NaN/inf gradients stop before the weights change.
-- **Exact validation under DDP** (``loaders``): each validation sample on exactly one rank; log torchmetrics
-  ``Metric`` objects (``self.log(name, metric)``) for epoch values equal to the single-process ones.
+- **Exact validation under DDP** (``user_loaders``, ``loaders``): each validation/test/predict sample on exactly
+  one rank; log torchmetrics ``Metric`` objects (``self.log(name, metric)``) for epoch values equal to the
+  single-process ones.
 - **Checkpoints by name** (``runs``, ``best``, ``after_fit``): ``--ckpt_path best`` / a run folder pick the run's
   best by its ``ModelCheckpoint``'s own record in each file, else its last, saying which; ``--run.test_after_fit``
   tests a finished fit's best into the same run. User code: ``self.log`` the monitored metric.
