@@ -17,7 +17,12 @@ from lightning.pytorch.utilities import rank_zero_only
 from project.engine.after_fit import test_best
 from project.engine.checkpoints import OneFilePerPoint, check_fits
 from project.engine.compat import cli_section, skip_moves_already_done
-from project.engine.config import SaveConfigOnce, default_config_candidates, find_default_config
+from project.engine.config import (
+    SaveConfigOnce,
+    default_config_candidates,
+    find_default_config,
+    start_from_class_defaults,
+)
 from project.engine.console import quiet_console
 from project.engine.distributed import DestroyProcessGroup
 from project.engine.errors import check_yaml_files, one_line_errors, root_cause
@@ -64,9 +69,9 @@ class CLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         check_yaml_files(parser, sys.argv[1:] if args is None else args)
         if args is None:  # sys.argv itself: Lightning warns when args and sys.argv differ (DDP re-runs sys.argv)
-            sys.argv[1:] = let_appended_loggers_parse(sys.argv[1:])
+            sys.argv[1:] = start_from_class_defaults(let_appended_loggers_parse(sys.argv[1:]))
         elif isinstance(args, list | tuple):
-            args = let_appended_loggers_parse(list(args))
+            args = start_from_class_defaults(let_appended_loggers_parse(list(args)))
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         if subcommand:
