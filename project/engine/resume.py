@@ -9,6 +9,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
+from project.engine.sharded import ShardedStrategy
+
 
 class ExactResume(Callback):
     """Puts in each checkpoint what Lightning leaves out and a bit-exact resume needs.
@@ -75,6 +77,8 @@ class ExactResume(Callback):
         if ranks is None:
             return
         if len(ranks) != trainer.world_size:
+            if isinstance(trainer.strategy, ShardedStrategy):
+                return  # its "Resharded ... from N ranks to M" line said so already
             rank_zero_warn(
                 f"The checkpoint holds RNG states of {len(ranks)} ranks, this run has {trainer.world_size}: "
                 "random draws (dropout, augmentation) will differ from the original run from here on."
