@@ -38,7 +38,8 @@ class CheckMonitored(Callback):
     ``EarlyStopping`` monitors a key the module did not log, naming the keys it did log and the setting to change.
 
     Every rank logs the same keys, so every rank raises alike; rank 0 alone prints it (``project.engine.errors``).
-    Without validation, the check comes at the first training epoch's end, where Lightning's own would.
+    A fit without validation (``limit_val_batches 0``) is not checked: Lightning only warns then, as a validation
+    metric cannot be there.
     ``from_run``: the callbacks the engine built from ``run.monitor`` (the others came with ``trainer.callbacks``).
     """
 
@@ -49,11 +50,7 @@ class CheckMonitored(Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._check(trainer)
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.enable_validation:  # else a validation comes (it may be every n epochs): checked there
-            self._check(trainer, "the first training epoch")
-
-    def _check(self, trainer: L.Trainer, when: str | None = None) -> None:
+    def _check(self, trainer: L.Trainer) -> None:
         if self.checked:
             return
         self.checked = True
@@ -67,7 +64,7 @@ class CheckMonitored(Callback):
         else:
             who = f"the monitor of a {type(missing).__name__} in trainer.callbacks"
             fix = "change that monitor to one of those"
-        when = when or ("the sanity check's validation" if trainer.sanity_checking else "the first validation")
+        when = "the sanity check's validation" if trainer.sanity_checking else "the first validation"
         keys = ", ".join(sorted(trainer.callback_metrics)) or "nothing"
         raise ValueError(
             f"{who} is {missing.monitor!r}, which the module did not log by the end of {when} (it logs: {keys}): "
