@@ -5,6 +5,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from jsonargparse import lazy_instance
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -12,8 +13,12 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from project.engine.schedule import LinearWarmupCosineAnnealingLR
+from project.nets import MLP
 
 STAGES = ("train", "val", "test")
+# The default net as the config shows it (`--print_config`, the run's config.yaml); a Classifier built in Python
+# with it gets an MLP of its own (one default object would be shared by every such Classifier).
+DEFAULT_NET = lazy_instance(MLP)
 
 
 class Classifier(L.LightningModule):
@@ -21,7 +26,7 @@ class Classifier(L.LightningModule):
 
     Args:
         net: The network, mapping a batch of inputs to ``(B, num_classes)`` logits.
-        num_classes: Number of classes, for the accuracy metric (linked from the data module).
+        num_classes: Number of classes, for the accuracy metric.
         lr: Peak learning rate of AdamW, reached at the end of the warmup.
         weight_decay: AdamW's decoupled weight decay.
         warmup: Length of the linear warmup, in ``schedule_unit``.
@@ -49,11 +54,11 @@ class Classifier(L.LightningModule):
 
     def __init__(
         self,
-        net: nn.Module,
+        net: nn.Module = DEFAULT_NET,
         num_classes: int = 10,
-        lr: float = 2e-4,
+        lr: float = 3e-3,
         weight_decay: float = 0.01,
-        warmup: int = 15,
+        warmup: int = 2,
         max_schedule: int | None = None,
         schedule_unit: Literal["epoch", "step"] = "epoch",
         interval: Literal["step", "epoch"] = "step",
@@ -84,7 +89,7 @@ class Classifier(L.LightningModule):
         self.sample_images = sample_images
         self.compile_net = compile
         self.float32_matmul_precision = float32_matmul_precision
-        self.net = net
+        self.net = MLP() if net is DEFAULT_NET else net
         # Read by make_loader: rank 0 gets the whole eval set, the others a placeholder (see _waits).
         self.evaluates_on_rank_zero = validation == "rank_zero"
         metrics: dict[str, nn.Module] = {}

@@ -1,11 +1,13 @@
-"""Export a checkpoint's network: python scripts/export.py CKPT --format safetensors|onnx|pt2|pth|all --out DIR
+"""Export a checkpoint's model: python scripts/export.py CKPT --format safetensors|onnx|pt2|pth|all --out DIR
 
-Writes DIR/model.<format>. Run it from the project folder (the run's config names the net by its class_path).
-Load them without Lightning:
-  safetensors: from project.engine.weights import load_net; net = load_net("DIR/model.safetensors")
+Writes DIR/model.<format> of the run's LightningModule itself (rebuilt from the run's config.yaml, so run it from
+the project folder), and DIR/model.onnx.data when the ONNX exporter keeps the weights beside the graph (keep the two
+together). Load them:
+  safetensors: from project.engine.weights import load_net; model = load_net("DIR/model.safetensors")
   onnx:        onnxruntime.InferenceSession("DIR/model.onnx").run(None, {"input": x.numpy()})[0]
   pt2:         torch.export.load("DIR/model.pt2").module()(x)
-  pth:         net = MLP(**init_args); net.load_state_dict(torch.load("DIR/model.pth", weights_only=True))
+  pth:         model = build(json.load(open("DIR/model.json"))); model.load_state_dict(torch.load("DIR/model.pth"))
+               (build from project.engine.weights)
 """
 
 import argparse
@@ -24,7 +26,8 @@ if __name__ == "__main__":
     parser.add_argument("--out", required=True, help="the folder to write into; existing files are never replaced")
     parser.add_argument(
         "--input_shape",
-        help="one sample's shape for tracing onnx/pt2, e.g. 1,8,8 (float32); default: two samples of the run's data",
+        help="one sample's shape for tracing onnx/pt2, e.g. 1,8,8 (float32); default: the module's example_input_array,"
+        " else two samples of the run's data",
     )
     args = parser.parse_args()
     try:

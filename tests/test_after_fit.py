@@ -1,10 +1,11 @@
 """``--run.test_after_fit true``: a finished fit tests its best checkpoint into the same run; the oracle is a separate
-``test --ckpt_path FILE`` of the best file, found by the val/acc its name carries (``best-epochNNN-accX.XXXX``)."""
+``test --ckpt_path FILE`` of the best file, found by the val/acc each ``best-*.ckpt`` was saved with."""
 
 import logging
-import re
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import DDP2, QUIET, cli, cli_in_process, scalars
 
@@ -13,10 +14,14 @@ SMALL = [*QUIET, "--trainer.limit_train_batches", "4", "--model.net.init_args.hi
 AFTER = ["--run.test_after_fit", "true"]
 
 
-def best_by_file_name(run) -> str:
-    files = list((run / "checkpoints").glob("best-*.ckpt"))
-    assert files, f"no best-*.ckpt in {run}"
-    return str(max(files, key=lambda p: float(re.search(r"acc(\d\.\d+)\.ckpt$", p.name)[1])))
+def best_by_record(run) -> tuple[str, float]:
+    """The best-*.ckpt with the highest val/acc in the ModelCheckpoint state it carries, and that score."""
+    scores = {}
+    for path in (run / "checkpoints").glob("best-*.ckpt"):
+        (state,) = [s for k, s in torch.load(path, weights_only=True)["callbacks"].items() if "'val/acc'" in k]
+        scores[str(path)] = float({Path(k).name: v for k, v in state["best_k_models"].items()}[path.name])
+    assert scores, f"no best-*.ckpt in {run}"
+    return max(scores.items(), key=lambda item: item[1])
 
 
 def test_results(run) -> dict[str, list[tuple[int, float]]]:
@@ -32,13 +37,14 @@ def said(caplog: pytest.LogCaptureFixture) -> list[str]:
     return lines
 
 
-def test_a_finished_fit_tests_its_best_checkpoint_into_the_same_run(tmp_path, caplog):
+def test_a_finished_fit_tests_its_best_checkpoint_into_the_same_run(tmp_path, caplog, capsys):
     caplog.set_level(logging.INFO)
     fit = cli_in_process("fit", *SMALL, *AFTER, "--trainer.max_epochs", "3", root=tmp_path)
     run = tmp_path / "digits" / "version_0"
-    best = best_by_file_name(run)
-    score = re.search(r"acc(\d\.\d+)\.ckpt$", best)[1]  # what the name says, to 4 decimals
-    assert said(caplog) == [f"Test after fit: best val/acc {score}: {best}"]
+    best, score = best_by_record(run)
+    assert said(caplog) == [f"Test after fit: best val/acc {score:.4f}: {best}"]
+    # the test's start line names the file it tests, not "untrained weights"
+    assert f"Run {run} (test of {best}) | 1 x cpu" in capsys.readouterr().out
     after = test_results(run)
     assert sorted(after) == ["test/acc", "test/loss"] and all(len(v) == 1 for v in after.values()), after
     assert after["test/acc"][0][0] == fit.trainer.global_step  # at the run's last step, on the same curves
@@ -80,7 +86,7 @@ def test_a_preempted_fit_is_not_tested(tmp_path, caplog):
 def test_a_2_rank_ddp_fit_tests_its_best_on_both_ranks_equal_to_a_single_process_test(tmp_path):
     proc = cli("fit", *SMALL, *AFTER, *DDP2, "--trainer.max_epochs", "2", cwd=tmp_path, timeout=300)
     run = tmp_path / "runs" / "digits" / "version_0"
-    best = best_by_file_name(run)
+    best, _ = best_by_record(run)
     assert (proc.stdout + proc.stderr).count("Test after fit: best val/acc") == 1  # rank 0 says it, once
     after = test_results(run)
     assert all(len(after[tag]) == 1 for tag in ("test/acc", "test/loss")), after

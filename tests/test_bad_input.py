@@ -174,11 +174,12 @@ def test_checkpoint_carrying_code_is_refused_unrun_by_fit_validate_and_export(tr
         code, err = parse(subcommand, *SMALL, "--ckpt_path", str(evil), "--weights_only", "false", cwd=trained)
         assert_one_clear_error(code, err, f"{evil} holds a Python object", "could run code", "trust")
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "export_weights.py"), str(evil), str(tmp_path / "out.pth")],
+        [sys.executable, str(REPO / "scripts" / "export.py"), str(evil), "--format", "pth", "--out",
+         str(tmp_path / "out")],
         env={"PYTHONPATH": str(REPO)}, capture_output=True, text=True,
     )  # fmt: skip
     assert_one_clear_error(proc.returncode, proc.stderr, f"{evil} holds a Python object", "could run code")
-    assert not marker.exists() and not (tmp_path / "out.pth").exists()
+    assert not marker.exists() and not (tmp_path / "out").exists()
     assert snapshot(trained) == before
 
 

@@ -1,7 +1,6 @@
 """The real CLI in subprocesses: configs, every subcommand, the LR curve of a real fit, resume, export."""
 
 import gc
-import json
 import math
 import os
 import re
@@ -14,7 +13,6 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from project.nets import MLP
 from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow  # subprocesses: the real `python -m project`
@@ -93,33 +91,6 @@ def test_resume_last_without_any_run_starts_fresh_with_a_notice(workdir):
     proc = cli("fit", *TINY, "--model.warmup", "1", "--ckpt_path", "last", cwd=workdir)
     assert "no checkpoint under" in proc.stdout + proc.stderr and "starting from scratch" in proc.stdout + proc.stderr
     assert len(run_dirs(workdir)) == 1
-
-
-@pytest.mark.long  # CI and make test-all; export: tests/test_export.py in make test
-def test_exported_weights_load_into_the_bare_net_with_the_same_predictions(workdir):
-    cli("fit", *TINY, "--model.warmup", "1", "--model.net.hidden_sizes", "[32]", cwd=workdir)
-    (run,) = run_dirs(workdir)
-    ckpt = run / "checkpoints" / "last.ckpt"
-    out = workdir / "export" / "epoch_2.pth"
-    subprocess_env = {"PYTHONPATH": str(REPO)}
-    import subprocess
-
-    subprocess.run([sys.executable, str(REPO / "scripts" / "export_weights.py"), str(ckpt), str(out)], check=True,
-                   env=subprocess_env, capture_output=True)  # fmt: skip
-    net_config = json.loads(out.with_suffix(".json").read_text())
-    assert net_config["class_path"] == "project.nets.MLP"
-    bare = MLP(**net_config["init_args"]).eval()
-    bare.load_state_dict(torch.load(out, weights_only=True))  # plain torch, no Lightning
-
-    from project.module import Classifier
-
-    module = Classifier(MLP(**net_config["init_args"])).eval()
-    module.load_state_dict(torch.load(ckpt, weights_only=True)["state_dict"])
-    x = torch.rand(32, 1, 8, 8)
-    assert torch.equal(bare(x), module(x))
-    with pytest.raises(subprocess.CalledProcessError):  # never overwrites an earlier export
-        subprocess.run([sys.executable, str(REPO / "scripts" / "export_weights.py"), str(ckpt), str(out)],
-                       check=True, env=subprocess_env, capture_output=True)  # fmt: skip
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,19 +13,20 @@ import onnxruntime
 import pytest
 import torch
 import yaml
+from lightning.pytorch import LightningModule
 from safetensors import safe_open
 from torch import nn
 
 from project.engine.checkpoints import load_checkpoint_file
 from project.engine.export import export
-from project.module import Classifier
+from project.engine.weights import build
 from tests.conftest import REPO
 
 NETS = {"MLP": ["--model.net.hidden_sizes", "[32, 16]"], "CNN": ["--model.net", "project.nets.CNN"]}
 
 
-def make_run(root: Path, net_args: list[str]) -> Path:
-    """A run folder as ``fit`` leaves it: the CLI's own config.yaml and a checkpoint of a Classifier with that net.
+def make_run(root: Path, model_args: list[str], family: str = "digits") -> Path:
+    """A run folder as ``fit`` leaves it: the CLI's own config.yaml and a checkpoint of that config's module.
 
     The weights are the seeded initial ones, perturbed so that no layer is left at an identity-like default.
     """
@@ -32,29 +34,23 @@ def make_run(root: Path, net_args: list[str]) -> Path:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), mock.patch.object(sys, "argv", ["project"]), pytest.raises(SystemExit):
-        cli_main(["fit", *net_args, "--print_config"])
+        cli_main(["fit", *model_args, "--print_config"])
     config = yaml.safe_load(out.getvalue())
-    net_config = config["model"]["init_args"]["net"]
-    from project.engine.weights import instantiate
-
     torch.manual_seed(0)
-    module = Classifier(instantiate(net_config["class_path"], net_config.get("init_args", {})))
+    module = build(config["model"], LightningModule)
     with torch.no_grad():
         for p in module.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    run = root / "runs" / "digits" / "version_0"
+    run = root / "runs" / family / "version_0"
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     torch.save({"state_dict": module.state_dict(), "global_step": 0, "epoch": 0}, run / "checkpoints" / "last.ckpt")
     return run / "checkpoints" / "last.ckpt"
 
 
-def lightning_model(ckpt: Path) -> Classifier:
-    """The oracle: the Classifier with the checkpoint's state_dict, as Lightning's predict would run it."""
-    config = yaml.safe_load((ckpt.parent.parent / "config.yaml").read_text())["model"]["init_args"]["net"]
-    from project.engine.weights import instantiate
-
-    module = Classifier(instantiate(config["class_path"], config.get("init_args", {})))
+def lightning_model(ckpt: Path) -> LightningModule:
+    """The oracle: the config's module with the checkpoint's state_dict, as Lightning's predict would run it."""
+    module = build(yaml.safe_load((ckpt.parent.parent / "config.yaml").read_text())["model"], LightningModule)
     module.load_state_dict(load_checkpoint_file(ckpt)["state_dict"])
     return module.eval()
 
@@ -85,12 +81,9 @@ def run_pt2(path: Path):
 
 
 def run_pth(path: Path):
-    from project.engine.weights import instantiate
-
-    config = json.loads(path.with_suffix(".json").read_text())
-    net = instantiate(config["class_path"], config.get("init_args", {}))
-    net.load_state_dict(torch.load(path, weights_only=True))
-    return net.eval()
+    module = build(json.loads(path.with_suffix(".json").read_text()))
+    module.load_state_dict(torch.load(path, weights_only=True))
+    return module.eval()
 
 
 RUNNERS = {"safetensors": run_safetensors, "onnx": run_onnx, "pt2": run_pt2, "pth": run_pth}
@@ -111,16 +104,19 @@ def test_each_format_gives_the_lightning_models_outputs_for_batches_of_1_and_7(e
         assert delta <= 1e-5, f"{name} {fmt} batch {batch} (input seed {seed}): max |delta| {delta}"
 
 
-def test_safetensors_carry_the_net_recipe_and_load_with_no_lightning_and_no_pickle(exported):
+def test_safetensors_carry_the_module_recipe_and_load_with_no_pickle_as_an_ordinary_file(exported):
     name, _, paths = exported
     with safe_open(str(paths["safetensors"]), framework="pt") as f:
         metadata = f.metadata()
-    assert metadata["class_path"] == f"project.nets.{name}"
-    assert isinstance(json.loads(metadata["init_args"]), dict)
-    # A fresh interpreter where importing Lightning or unpickling anything fails
+    assert metadata["class_path"] == "project.module.Classifier"
+    assert json.loads(metadata["init_args"])["net"]["class_path"] == f"project.nets.{name}"
+    mask = os.umask(0)
+    os.umask(mask)
+    assert paths["safetensors"].stat().st_mode & 0o777 == 0o666 & ~mask  # not safetensors' 0600
+    # A fresh interpreter where unpickling anything fails once the classes are imported
     code = (
-        "import sys, pickle; sys.modules['lightning'] = sys.modules['pytorch_lightning'] = None\n"
-        "import torch; from project.engine.weights import load_net\n"
+        "import pickle\n"  # the module's class imported first: Lightning's own imports subclass pickle's classes
+        "import torch, project.module; from project.engine.weights import load_net\n"
         "pickle.loads = pickle.load = pickle.Unpickler = torch.load = None\n"
         f"net = load_net({str(paths['safetensors'])!r}); print(net(torch.zeros(3, 1, 8, 8)).shape)"
     )
@@ -159,7 +155,7 @@ def test_a_net_that_cannot_be_exported_gets_one_line_naming_the_format_and_the_r
     with pytest.raises(ValueError) as error:
         export(ckpt, tmp_path / "export", (fmt,))
     message = str(error.value)
-    assert message.startswith(f"{fmt} export of tests.test_export.{net} failed") and reason in message, message
+    assert message.startswith(f"{fmt} export of project.module.Classifier failed") and reason in message, message
     assert "\n" not in message
     assert not (tmp_path / "export" / f"model.{fmt}").exists()
 
@@ -182,3 +178,51 @@ def test_script_refuses_to_overwrite_and_reports_it_in_one_line(tmp_path):
         f"export.py: error: {existing} exists; choose another --out (exports never overwrite)"
     )
     assert existing.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
+SHAPES = ["--model", "tests.fixtures.shapes.DictRegression", "--data", "tests.fixtures.shapes.DictData"]
+
+
+@pytest.mark.parametrize(
+    ("model", "traced_on"),
+    [
+        ("DictRegression", "a batch of predict_dataloader: its x, by forward's names"),
+        ("ExampleArrayRegression", "the module's example_input_array"),
+    ],
+)
+def test_any_lightning_module_exports_itself_equal_to_its_forward(tmp_path, model, traced_on):
+    """A module with no ``net`` that takes dict batches: the module itself is exported, traced on its
+    example_input_array, else on the dict batch's entries that forward names."""
+    ckpt = make_run(tmp_path, [*SHAPES, "--model", f"tests.fixtures.shapes.{model}"], family="dict")
+    said: list[str] = []
+    paths = export(ckpt, tmp_path / "export", ("onnx", "pt2", "safetensors"), say=said.append)
+    assert said == [f"Tracing forward for onnx/pt2 on {traced_on}"]
+    assert {p.name for p in paths} >= {"model.onnx", "model.pt2", "model.safetensors"}
+    assert all(p.exists() for p in paths)  # model.onnx.data among them when the exporter writes it
+    module = lightning_model(ckpt)
+    by_name = {p.name: p for p in paths}
+    runs = {fmt: RUNNERS[fmt](by_name[f"model.{fmt}"]) for fmt in ("onnx", "pt2", "safetensors")}
+    for batch in (1, 5):
+        seed = 200 + batch
+        x = torch.randn(batch, 4, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            expected = module(x)
+            for fmt, run in runs.items():
+                delta = (run(x) - expected).abs().max().item()
+                assert delta <= 1e-5, f"{model} {fmt} batch {batch} (input seed {seed}): max |delta| {delta}"
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ("missing.ckpt", "missing.ckpt: no such checkpoint file or folder"),
+        ("junk.ckpt", "junk.ckpt is not a readable checkpoint: it is not a zip archive"),
+        ("alone.ckpt", "alone.ckpt is not in a run folder's checkpoints/ (no config.yaml at"),
+    ],
+)
+def test_a_file_that_cannot_be_exported_says_what_is_wrong_with_it(tmp_path, given, says):
+    (tmp_path / "junk.ckpt").write_text("not a checkpoint")
+    torch.save({"state_dict": {}, "global_step": 0}, tmp_path / "alone.ckpt")
+    with pytest.raises(ValueError) as error:
+        export(tmp_path / given, tmp_path / "export", ("safetensors",))
+    assert says in str(error.value), str(error.value)

@@ -247,7 +247,7 @@ def test_no_example_swaps_the_digits_for_the_skeleton(bare, generated):
     data = (bare / NAME / "data.py").read_text()
     assert "class DataModule(L.LightningDataModule)" in data and "make_loader" in data
     config = yaml.safe_load((bare / "configs" / "default.yaml").read_text())
-    assert config["data"]["class_path"] == f"{NAME}.data.DataModule"
+    assert config["data"] == f"{NAME}.data.DataModule"  # the class alone: its own defaults apply
     for path in [p for p in bare.rglob("*.py") if p.name != "conftest.py"]:
         assert "DigitsDataModule" not in path.read_text(), path
     kept = {p.name for p in (bare / "tests").glob("test_*.py")}

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from project.engine.best import scored_checkpoint
 from tests.conftest import QUIET, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
@@ -28,4 +29,6 @@ def test_finished_run_ends_with_best_score_checkpoint_and_folder(workdir):
     best = max(value for _, value in scalars(run)["val/acc"])  # the curve TensorBoard shows
     assert float(score) == round(best, 4)
     assert (workdir / checkpoint).is_file() and Path(checkpoint).parent == Path(folder) / "checkpoints"
-    assert f"acc{best:.4f}" in Path(checkpoint).name  # the file ModelCheckpoint named after that score
+    scored = scored_checkpoint(workdir / checkpoint)  # the score that file's ModelCheckpoint saved it with
+    assert scored is not None and (scored.monitor, scored.mode) == ("val/acc", "max")
+    assert scored.score == pytest.approx(best)

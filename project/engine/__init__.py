@@ -29,14 +29,22 @@ What it guarantees, and what user code does to get each guarantee:
 - **Exact validation under DDP** (``user_loaders``, ``loaders``): each validation/test/predict sample on exactly
   one rank; log torchmetrics ``Metric`` objects (``self.log(name, metric)``) for epoch values equal to the
   single-process ones.
+- **What a run is judged by, said once** (``runs``, ``monitor``): ``run.monitor``/``run.mode`` make the engine's
+  best-k ``ModelCheckpoint`` (and ``EarlyStopping`` with ``run.patience``), a sweep's objective and the run summary's
+  score; a monitored key the module does not log stops the fit at the first validation's end, before training, in
+  one line naming the keys it does log. User code: ``self.log`` the monitored metric, or set ``--run.monitor``.
 - **Checkpoints by name** (``runs``, ``best``, ``after_fit``): ``--ckpt_path best`` / a run folder pick the run's
   best by its ``ModelCheckpoint``'s own record in each file, else its last, saying which; ``--run.test_after_fit``
-  tests a finished fit's best into the same run. User code: ``self.log`` the monitored metric.
+  tests a finished fit's best into the same run.
 - **Bad input in one line** (``errors``, ``cli``): arguments, configs, checkpoints are checked before anything is
-  written. Raise ``ValueError`` with the reason from your constructors.
+  written; an error every rank raises is printed once, by rank 0, and a run that failed before writing anything
+  but its config leaves no folder. Raise ``ValueError`` with the reason from your constructors.
+- **Your model, your data** (``config``, ``export``): ``--model my.Model``/``--data my.Data`` start from that
+  class's own defaults; ``scripts/export.py`` exports any module with a ``forward`` (``example_input_array``, else
+  a batch of its data).
 - **Sweeps that survive a crash** (``sweep``, ``sweep_space``, ``sweep_trial``, ``sweep_report``): an Optuna study
   whose trials are ordinary ``fit`` runs with every guarantee above; killed and restarted, it continues each trial
-  from its ``last.ckpt``. User code: log the metric the sweep monitors.
+  from its ``last.ckpt``. User code: log the metric the sweep monitors (``run.monitor`` unless it names another).
 - **A console worth reading** (``console``, ``rank_failures``): expected warnings silenced one by one, each run
   said once by rank 0; a dead DDP rank ends the run in one line naming it, the intact checkpoint and the resume
   command. Nothing to do; ``PROJECT_VERBOSE=1`` shows every line.

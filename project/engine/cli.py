@@ -16,17 +16,23 @@ from lightning.pytorch.utilities import rank_zero_only
 from project.engine.after_fit import test_best
 from project.engine.checkpoints import OneFilePerPoint, check_fits
 from project.engine.compat import cli_section
-from project.engine.config import SaveConfigOnce, default_config_candidates, find_default_config
+from project.engine.config import (
+    SaveConfigOnce,
+    default_config_candidates,
+    find_default_config,
+    start_from_class_defaults,
+)
 from project.engine.distributed import DestroyProcessGroup
 from project.engine.errors import check_yaml_files, one_line_errors, root_cause
 from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
 from project.engine.loggers import let_appended_loggers_parse
+from project.engine.monitor import CheckMonitored, monitor_callbacks
 from project.engine.predictions import PredictionWriter
 from project.engine.profiler import NoProfiler
 from project.engine.rank_failures import RankFailures
 from project.engine.resume import ExactResume
-from project.engine.run_folder import RunFolder
+from project.engine.run_folder import RunFolder, discard_if_empty
 from project.engine.run_scope import for_the_run, freeze_what_was_built
 from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point_loggers_at
 from project.engine.sharded import ShardedStrategy as Sharded
@@ -43,7 +49,11 @@ class CLI(LightningCLI):
 
     def __init__(self, *args: Any, only: str | None = None, **kwargs: Any) -> None:
         self.only = only
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            discard_if_empty(self.run_plan, getattr(self, "trainer", None))  # a failed run leaves no empty folder
+            raise
 
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
         # Only the parser of the subcommand given is built: each one is the Trainer's ~60 options plus the model's
@@ -54,14 +64,13 @@ class CLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(Runs, "run")
-        parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         check_yaml_files(parser, sys.argv[1:] if args is None else args)
         if args is None:  # sys.argv itself: Lightning warns when args and sys.argv differ (DDP re-runs sys.argv)
-            sys.argv[1:] = let_appended_loggers_parse(sys.argv[1:])
+            sys.argv[1:] = start_from_class_defaults(let_appended_loggers_parse(sys.argv[1:]))
         elif isinstance(args, list | tuple):
-            args = let_appended_loggers_parse(list(args))
+            args = start_from_class_defaults(let_appended_loggers_parse(list(args)))
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         if subcommand:
@@ -107,6 +116,11 @@ class CLI(LightningCLI):
         # config brings wins.
         if self.run_plan is not None:  # before the bar: the start line is printed before the bar's first frame
             callbacks += [RunFolder(self.run_plan), Guarantees(self.run_plan, self.unknown_loggers)]
+        # run.monitor's ModelCheckpoint and EarlyStopping (in every subcommand: a checkpoint names their states),
+        # checked before either acts
+        from_run = monitor_callbacks(cli_section(self, self.config_init, "run"))
+        checks = [CheckMonitored(from_run)] if self.subcommand == "fit" else []
+        callbacks = [*checks, *callbacks, *from_run]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(TQDMProgressBar(refresh_rate=10, leave=False))
         if config.get("enable_checkpointing") is False or config.get("fast_dev_run"):

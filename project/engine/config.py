@@ -50,3 +50,27 @@ class SaveConfigOnce(SaveConfigCallback):
             self.save_config(trainer, pl_module, stage)
             self.already_saved = True
         self.already_saved = trainer.strategy.broadcast(self.already_saved)
+
+
+SWITCHABLE = ("--model", "--data")
+
+
+def start_from_class_defaults(args: list[str]) -> list[str]:
+    """``--model my.Model`` / ``--data my.Data`` on the command line: that class with its own defaults.
+
+    jsonargparse keeps, by design, the arguments of the class it replaces that the new class accepts, defaults
+    included: ``--model my.Model`` would inherit the example's ``lr``. A ``--model null`` put before it leaves
+    nothing to inherit; the arguments given after it (``--model.lr 0.1``) still apply.
+    """
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        flag, _, value = arg.partition("=")
+        value = value if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+        if flag in SWITCHABLE and _is_class_path(value) and out[-2:] != [flag, "null"]:
+            out += [flag, "null"]
+        out.append(arg)
+    return out
+
+
+def _is_class_path(value: str) -> bool:
+    return bool(value) and value != "null" and not value.startswith(("{", "-")) and "\n" not in value

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser
+from lightning.pytorch.utilities import rank_zero_only
 
 from project.engine.compat import LightningChanged
 
@@ -48,7 +49,8 @@ def root_cause(error: BaseException) -> BaseException:
 
 @contextmanager
 def one_line_errors() -> Iterator[None]:
-    """Turns a ``RUN_ERRORS`` exception into ``error: MESSAGE (raised at FILE:LINE ...)`` and exit code 1."""
+    """Turns a ``RUN_ERRORS`` exception into ``error: MESSAGE (raised at FILE:LINE ...)`` on rank 0 and exit code 1
+    on every rank."""
     try:
         yield
     except RUN_ERRORS as error:
@@ -57,6 +59,10 @@ def one_line_errors() -> Iterator[None]:
         message = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         if isinstance(error, OSError) and error.filename:
             message += f": {error.filename}"
+        if rank_zero_only.rank != 0:
+            # Raised alike on every rank, it is said once, by rank 0. An error of this rank alone is named by rank
+            # 0's report of a failed rank (project.engine.rank_failures) from the note this rank left.
+            sys.exit(1)
         sys.exit(f"error: {message} (raised at {_raised_at(error)}; JSONARGPARSE_DEBUG=1 shows the traceback)")
 
 

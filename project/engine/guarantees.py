@@ -1,5 +1,7 @@
 """The one line a run starts with: where it writes, what it resumed from, and which guarantee user code opted out of."""
 
+from pathlib import Path
+
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -42,8 +44,15 @@ class Guarantees(Callback):
     def _evaluation_line(self, trainer: L.Trainer, stage: str) -> None:
         if not trainer.is_global_zero:
             return
-        plan = self.plan
-        weights = f"{plan.resumed_from}, step {plan.global_step}" if plan.resumed_from else "untrained weights"
+        plan, path = self.plan, trainer.ckpt_path  # the file this evaluation loaded: --ckpt_path, or test after fit's
+        if path is not None and plan.resumed_from is not None and Path(path) == Path(plan.resumed_from):
+            weights = f"{path}, step {plan.global_step}"
+        elif path is not None:
+            weights = str(path)
+        elif trainer.global_step:  # test after a fit that kept no best checkpoint
+            weights = f"the weights fit ended with, step {trainer.global_step}"
+        else:
+            weights = "untrained weights"
         notes = _loader_notes(trainer).get("val" if stage == "validate" else stage, [])
         print(
             f"Run {trainer.default_root_dir} ({stage} of {weights}) | {self._ranks(trainer)} | logs: "

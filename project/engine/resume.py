@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from project.engine.compat import reopen_an_epoch_stopped_mid_way, start_the_epoch_lightning_skipped
+from project.engine.sharded import ShardedStrategy
 
 
 class ExactResume(Callback):
@@ -77,6 +78,8 @@ class ExactResume(Callback):
         if ranks is None:
             return
         if len(ranks) != trainer.world_size:
+            if isinstance(trainer.strategy, ShardedStrategy):
+                return  # its "Resharded ... from N ranks to M" line said so already
             rank_zero_warn(
                 f"The checkpoint holds RNG states of {len(ranks)} ranks, this run has {trainer.world_size}: "
                 "random draws (dropout, augmentation) will differ from the original run from here on."

@@ -1,5 +1,8 @@
 """The run folder at run time: every rank takes rank 0's folder, checkpoints land in it, logger ids are recorded."""
 
+import contextlib
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -7,6 +10,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.utilities import rank_zero_only
 
 from project.engine.loggers import StepGate
 from project.engine.runs import RunPlan, write_record
@@ -74,3 +78,28 @@ class RunFolder(Callback):
         for gate in self._gates:
             gate.detach()
         self._gates = []
+
+
+# What a run folder holds before the run has produced anything: the config, the loggers' opening files, the
+# rank-failure notes. A folder with nothing else is no run worth keeping.
+OPENING_FILES = ("config.yaml", "hparams.yaml", "run.json", ".failures", "checkpoints")
+
+
+def discard_if_empty(plan: RunPlan | None, trainer: L.Trainer | None) -> None:
+    """Removes the run folder of a run that failed before writing anything but its opening files (rank 0; never
+    a continued run's). Called once the run has unwound: every rank is gone and the loggers are closed."""
+    if plan is None or plan.continues or rank_zero_only.rank != 0 or not plan.dir.is_dir():
+        return
+    if trainer is not None and trainer.state.fn == "fit" and trainer.global_step != (plan.global_step or 0):
+        return  # it trained: its logs are worth keeping
+    ranks = (getattr(trainer.strategy.launcher, "procs", None) if trainer is not None else None) or []
+    for proc in ranks:  # Lightning's launcher: rank 0 started the others
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)  # the other ranks leave their notes before the folder goes
+    checkpoints = plan.dir / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return
+    if all(p.name in OPENING_FILES or p.name.startswith("events.out.tfevents.") for p in plan.dir.iterdir()):
+        shutil.rmtree(plan.dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            plan.dir.parent.rmdir()  # the run family, when this was its only run

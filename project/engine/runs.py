@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -32,19 +32,47 @@ RUN_RECORD = "run.json"  # the run's logger ids, for a resume to continue the sa
 
 class Runs:
     """Where runs are kept: ``<root>/<name>/version_N/``, one folder per invocation (a resumed ``fit`` continues its
-    run's folder). Every logger writes there (MLflow: into its own store, the run named ``<name>/version_N``).
+    run's folder). Every logger writes there (MLflow: into its own store, the run named ``<name>/version_N``). And
+    what a ``fit`` is judged by: ``monitor`` picks its best checkpoints (a ``ModelCheckpoint`` the engine adds), stops
+    it early (``patience``), is a sweep's objective and the run summary's score.
 
     Args:
         root: Folder that holds every kind of run.
         name: Subfolder for this kind of run; ``None``: named after the data module (``DigitsDataModule``: ``digits``).
+        monitor: The metric, as the module logs it with ``self.log``, that ranks the checkpoints. ``None``: no best
+            checkpoints, only the ``ModelCheckpoint`` callbacks of ``trainer.callbacks`` (``last.ckpt``, periodic).
+            A fit whose module does not log it stops at the first validation's end, before training, naming the
+            keys it does log.
+        mode: Whether a smaller (``min``, a loss) or larger (``max``, an accuracy) ``monitor`` is better.
+        save_top_k: Best checkpoints kept (``best-epoch..-step...ckpt``); ``-1``: every validation's.
+        patience: Validations without improvement of ``monitor`` after which ``fit`` stops (Lightning's
+            ``EarlyStopping``); ``None``: never stops early.
         test_after_fit: When ``fit`` finishes (not when it is stopped), run ``test`` on its best checkpoint in the
             same process, on every rank, logging ``test/*`` into the same run (``project.engine.after_fit``).
     """
 
-    def __init__(self, root: str = "runs", name: str | None = None, test_after_fit: bool = False) -> None:
+    def __init__(
+        self,
+        root: str = "runs",
+        name: str | None = None,
+        monitor: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        save_top_k: int = 3,
+        patience: int | None = None,
+        test_after_fit: bool = False,
+    ) -> None:
         if name is not None and (not name or "/" in name or name in (".", "..")):
             raise ValueError(f"run.name ({name!r}) must be one folder name, without '/'")
+        if monitor is not None and not monitor:
+            raise ValueError("run.monitor is empty: give the name of a logged metric, or null to monitor none")
+        if save_top_k == 0 or save_top_k < -1:
+            raise ValueError(f"run.save_top_k ({save_top_k}) must be >= 1, or -1 for all; no best: run.monitor null")
+        if patience is not None and patience < 1:
+            raise ValueError(f"run.patience ({patience}) must be >= 1, or null for no early stopping")
+        if patience is not None and monitor is None:
+            raise ValueError(f"run.patience ({patience}) stops on run.monitor, which is null: give --run.monitor KEY")
         self.root, self.name, self.test_after_fit = root, name, test_after_fit
+        self.monitor, self.mode, self.save_top_k, self.patience = monitor, mode, save_top_k, patience
 
 
 class ResumeError(ValueError):

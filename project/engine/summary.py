@@ -11,12 +11,12 @@ from project.engine.compat import CLI_HPARAM_KEYS
 
 class RunSummary(L.Callback):
     """At the end of ``fit``, rank 0 prints one line, e.g.
-    ``Run summary: best val/acc 0.9630 | best checkpoint runs/digits/version_0/checkpoints/best-....ckpt |
-    run folder runs/digits/version_0``.
+    ``Run summary: best <run.monitor> 0.9630 | best checkpoint runs/<name>/version_0/checkpoints/best-....ckpt |
+    run folder runs/<name>/version_0``.
 
     The score and path come from the first ``ModelCheckpoint`` with a ``monitor``, so they are the ones that
     callback kept (restored with it on resume). Every logger also gets the score as ``best/<monitor>`` at the last
-    step: a tag of its own keeps the ``val/acc`` curve free of an extra point, and it is what a run table sorts by
+    step: a tag of its own keeps the monitored curve free of an extra point, and it is what a run table sorts by
     (MLflow's and W&B's run lists show a metric's last value; a CSV's last row has it). A ``TensorBoardLogger`` gets
     it with the run's hyperparameters: TensorBoard's HParams view lists only runs whose hyperparameters came with a
     metric, and Lightning's own call passes none under ``default_hp_metric: false``. Nothing is printed or logged

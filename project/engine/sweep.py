@@ -26,7 +26,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from project.engine.errors import root_cause
 from project.engine.runs import check_save_dir
 from project.engine.sweep_report import report
-from project.engine.sweep_space import check_space, check_spec, suggest
+from project.engine.sweep_space import check_space, check_spec, fit_objective, suggest
 from project.engine.sweep_trial import ReportToStudy, open_storage, trial_id
 
 PACKAGE = __name__.split(".")[0]  # `python -m project`, whatever a copy of the template renamed it to
@@ -41,9 +41,11 @@ class Sweep:
         space: Search space keyed by the CLI's dotted names: ``{type: float|int, low, high, log, step}`` or
             ``{type: categorical, choices: [...]}`` (numbers, strings, booleans, class paths).
         trials: Trials in the study, all workers together. Run again with more to extend a finished sweep.
-        monitor: Metric to optimise, as the run logs it. A trial's value is its best over the run's validations
-            (the score of its best checkpoint); the pruner sees it after each epoch.
-        direction: Whether a larger (``maximize``) or smaller ``monitor`` is better.
+        monitor: Metric to optimise, as the run logs it; ``None``: the ``fit`` config's ``run.monitor``. A trial's
+            value is its best over the run's validations (the score of its best checkpoint: the trials run with
+            ``--run.monitor`` set to it); the pruner sees it after each epoch.
+        direction: Whether a larger (``maximize``) or smaller ``monitor`` is better; ``None``: from the ``fit``
+            config's ``run.mode`` (``max``: ``maximize``).
         fit: Arguments every trial's ``fit`` gets, as on the command line, e.g. ``[--trainer.max_epochs, "10"]``.
         pruner: Optuna pruner, deciding after each epoch's validation; ``null``: every trial runs to its end.
         seed: Sampler seed; trial N is sampled with ``seed + N``.
@@ -61,8 +63,8 @@ class Sweep:
         name: str,
         space: dict[str, dict[str, Any]],
         trials: int = 20,
-        monitor: str = "val/acc",
-        direction: Literal["maximize", "minimize"] = "maximize",
+        monitor: str | None = None,
+        direction: Literal["maximize", "minimize"] | None = None,
         fit: list[str] | None = None,
         pruner: optuna.pruners.BasePruner | None = None,
         seed: int = 0,
@@ -119,6 +121,12 @@ def sweep_main(argv: list[str]) -> None:
         if config.workers < 1:
             raise ValueError(f"--workers ({config.workers}) must be >= 1")
         check_save_dir(sweep.folder)
+        if sweep.monitor is None or sweep.direction is None:  # what the trials' fit monitors
+            monitor, mode = fit_objective(sweep.fit)
+            if sweep.monitor is None and monitor is None:
+                raise ValueError("monitor: the fit config monitors nothing (run.monitor null); give the sweep one")
+            sweep.monitor = sweep.monitor or monitor
+            sweep.direction = sweep.direction or ("maximize" if mode == "max" else "minimize")
         if not config.show:
             check_space(sweep.space, sweep.fit)  # every key and range against the real fit parser
     except ValueError as error:
@@ -235,6 +243,7 @@ def trial_command(sweep: Sweep, number: int, params: dict[str, Any]) -> list[str
     return [
         *(sys.executable, "-m", PACKAGE, "fit", *sweep.fit, "--run.root", str(sweep.folder)),
         *("--run.name", f"trial_{number}", *values, f"--trainer.callbacks+={json.dumps(report_to_study)}"),
+        *("--run.monitor", str(sweep.monitor), "--run.mode", "max" if sweep.direction == "maximize" else "min"),
         *("--ckpt_path", "last"),  # a new trial starts from scratch; a taken-over one resumes
     ]
 

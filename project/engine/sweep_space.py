@@ -63,9 +63,30 @@ def candidates(spec: dict[str, Any]) -> list[Any]:
     return list(spec["choices"]) if spec["type"] == "categorical" else [spec["low"], spec["high"]]
 
 
+def fit_objective(fit: list[str]) -> tuple[str | None, str]:
+    """``run.monitor`` and ``run.mode`` of ``fit FIT``, as the trials' own runs read them."""
+    run = _fit_cli(fit).config["run"]
+    return run.monitor, run.mode
+
+
 def check_space(space: dict[str, dict[str, Any]], fit: list[str]) -> None:
     """Parses ``fit FIT --KEY=VALUE`` with the CLI's own parser for each end of each range and builds the model and
     data; raises ``ValueError`` naming the key and value that fail, and why."""
+    cli = _fit_cli(fit)
+    parser = cli.parser
+    parser.exit_on_error = False  # argparse's switch: raise instead of printing usage and exiting
+    for key, spec in space.items():
+        for value in candidates(spec):
+            try:
+                with redirect_stdout(io.StringIO()):
+                    parser.instantiate_classes(parser.parse_args([*fit, f"--{key}={value}"]))
+            except (argparse.ArgumentError, ValueError, TypeError) as error:
+                message = " ".join(str(root_cause(error)).split())
+                raise ValueError(f"space: {key} = {value!r} is refused by fit: {message}") from None
+
+
+def _fit_cli(fit: list[str]) -> Any:
+    """``fit FIT`` parsed and its classes built by the real CLI, run=False; ``ValueError`` with its error line."""
     from project.engine.cli import cli_main
 
     # Quiet ("Seed set to ...", "GPU available ..." are not the sweep's output), with the sweep's own command line
@@ -77,13 +98,4 @@ def check_space(space: dict[str, dict[str, Any]], fit: list[str]) -> None:
     except SystemExit:
         lines = [line for line in output.getvalue().splitlines() if line.startswith("error:")]
         raise ValueError(f"fit: {lines[-1][7:] if lines else output.getvalue()[-500:]}") from None
-    parser = cli.parser
-    parser.exit_on_error = False  # argparse's switch: raise instead of printing usage and exiting
-    for key, spec in space.items():
-        for value in candidates(spec):
-            try:
-                with redirect_stdout(io.StringIO()):
-                    parser.instantiate_classes(parser.parse_args([*fit, f"--{key}={value}"]))
-            except (argparse.ArgumentError, ValueError, TypeError) as error:
-                message = " ".join(str(root_cause(error)).split())
-                raise ValueError(f"space: {key} = {value!r} is refused by fit: {message}") from None
+    return cli

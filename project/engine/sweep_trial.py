@@ -41,7 +41,7 @@ class ReportToStudy(L.Callback):
         storage: The study's storage URL (see ``open_storage``).
         study: Study name.
         trial: Trial number.
-        monitor: The metric the sweep optimises, as logged (``val/acc``).
+        monitor: The metric the sweep optimises, as logged.
         pruner: Optuna pruner; ``None``: never prune.
     """
 

@@ -1,14 +1,14 @@
-"""A network in one ``.safetensors`` file: its weights, and in the metadata the recipe to build it.
+"""A model in one ``.safetensors`` file: its weights, and in the metadata the recipe to build it.
 
-Readable with torch and safetensors alone (no Lightning, no pickle, so no code runs on load)::
+Read with no pickle, so no code runs on load but the named class's own ``__init__``::
 
     from project.engine.weights import load_net
-    net = load_net("export/model.safetensors")  # eval mode, on the CPU
+    model = load_net("export/model.safetensors")  # eval mode, on the CPU
 
-The metadata holds ``class_path`` (``"project.nets.MLP"``) and ``init_args`` (JSON), as in the run's config.
+The metadata holds ``class_path`` (``"project.module.Classifier"``) and ``init_args`` (JSON), as in the run's config;
+``build`` makes the object of such a recipe as LightningCLI does (jsonargparse: nested ``class_path`` included).
 """
 
-import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -17,20 +17,29 @@ from torch import nn
 
 
 def instantiate(class_path: str, init_args: dict[str, Any]) -> Any:
-    """``class_path(**init_args)``; init_args must be plain values (a nested ``class_path`` is not built here)."""
-    module_name, _, class_name = class_path.rpartition(".")
+    """``class_path(**init_args)``, built as LightningCLI builds it (see ``build``)."""
+    return build({"class_path": class_path, "init_args": init_args}, object)
+
+
+def build(recipe: dict[str, Any], base: type = nn.Module) -> Any:
+    """The object of ``{"class_path": ..., "init_args": {...}}`` (a subclass of ``base``), its arguments typed and
+    nested ``class_path`` built by jsonargparse, as LightningCLI builds a config's model; ``ValueError`` if not."""
+    from jsonargparse import ArgumentParser  # LightningCLI's parser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--built", type=base)
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"cannot import the class {class_path!r} ({error})") from None
-    nested = [key for key, value in init_args.items() if isinstance(value, dict) and "class_path" in value]
-    if nested:
-        raise ValueError(f"{class_path} takes objects built from a class_path ({', '.join(nested)}); build it yourself")
-    return cls(**init_args)
+        return parser.instantiate_classes(parser.parse_object({"built": recipe})).built
+    except Exception as error:
+        while error.__cause__ is not None:
+            error = error.__cause__
+        reason = " ".join(str(error).split())[:500]
+        raise ValueError(f"cannot build {recipe.get('class_path')!r} from the run's config ({reason})") from None
 
 
 def save_net(net: nn.Module, class_path: str, init_args: dict[str, Any], path: str | Path) -> Path:
-    """Writes ``net``'s parameters and buffers; tensors that share memory (tied weights) are stored once."""
+    """Writes ``net``'s parameters and buffers (a module, or a LightningModule), with its recipe in the metadata;
+    tensors that share memory (tied weights) are stored once."""
     from safetensors.torch import save_model  # the export extra; only exporting and loading need it
 
     path = Path(path)
@@ -40,13 +49,13 @@ def save_net(net: nn.Module, class_path: str, init_args: dict[str, Any], path: s
 
 
 def load_net(path: str | Path, device: str = "cpu") -> nn.Module:
-    """Builds the network named in ``path``'s metadata and loads its weights (strictly), in eval mode."""
+    """Builds the module named in ``path``'s metadata and loads its weights (strictly), in eval mode."""
     from safetensors.torch import load_model, safe_open
 
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata() or {}
     if "class_path" not in metadata:
         raise ValueError(f"{path} has no class_path in its metadata: it was not written by save_net")
-    net = instantiate(metadata["class_path"], json.loads(metadata.get("init_args", "{}")))
+    net = build({"class_path": metadata["class_path"], "init_args": json.loads(metadata.get("init_args", "{}"))})
     load_model(net, str(path), strict=True, device=device)
     return net.eval()

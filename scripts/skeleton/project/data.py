@@ -19,7 +19,7 @@ class DataModule(L.LightningDataModule):
         batch_size: Samples per batch on each rank (the global batch is ``batch_size * world_size``).
         num_samples: Size of the synthetic dataset, all splits together.
         num_features: Features per sample, the network's input size.
-        num_classes: Number of classes (linked to the model's ``num_classes``).
+        num_classes: Number of classes (the model's ``num_classes`` must match: ``--model.num_classes``).
         val_fraction: Share of the data held out for validation.
         test_fraction: Share of the data held out for testing.
         seed: Seeds the data, the train/val/test split and the shuffle order of every epoch.
