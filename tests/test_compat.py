@@ -532,3 +532,12 @@ def test_accelerator_connector_holds_the_use_distributed_sampler_flag():
     )
     assert uses_distributed_sampler(L.Trainer(logger=False, accelerator="cpu"))
     assert not uses_distributed_sampler(L.Trainer(logger=False, accelerator="cpu", use_distributed_sampler=False))
+
+
+def test_torch_pytree_tree_map_and_tree_leaves_walk_nested_batches():
+    from project.engine.compat import tree_leaves, tree_map
+
+    batch = {"x": torch.ones(2), "pair": (torch.zeros(1), [3])}
+    assert tree_leaves(batch)[0] is batch["x"] and len(tree_leaves(batch)) == 3
+    doubled = tree_map(lambda v: v * 2, batch)
+    assert doubled["pair"][1] == [6] and torch.equal(doubled["x"], torch.full((2,), 2.0))

@@ -73,12 +73,20 @@ def test_patience_stops_early_on_run_monitor_and_needs_one(tmp_path, capsys):
     assert "error: run.patience (3) stops on run.monitor, which is null: give --run.monitor KEY" in message, message
 
 
-def test_switching_classes_starts_from_that_classs_own_defaults_and_the_command_line(tmp_path):
+@pytest.mark.parametrize("given", ["flags", "config file"])
+def test_switching_classes_starts_from_that_classs_own_defaults_and_the_command_line(tmp_path, given):
     out = io.StringIO()
     from project.engine.cli import cli_main
 
+    switch = OWN
+    if given == "config file":  # the classes named in a --config file, as a user's own base config would
+        mine = tmp_path / "mine.yaml"
+        mine.write_text(
+            "model:\n  class_path: tests.fixtures.shapes.DictRegression\ndata: tests.fixtures.shapes.DictData\n"
+        )
+        switch = ["--config", str(mine)]
     with contextlib.redirect_stdout(out), mock.patch.object(sys, "argv", ["project"]), pytest.raises(SystemExit):
-        cli_main(["fit", *OWN, "--model.hidden", "5", "--print_config"])
+        cli_main(["fit", *switch, "--model.hidden", "5", "--print_config"])
     config = yaml.safe_load(out.getvalue())
     assert config["model"] == {"class_path": "tests.fixtures.shapes.DictRegression", "init_args": {"hidden": 5,
                                "lr": 0.05}}  # fmt: skip

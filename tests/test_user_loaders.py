@@ -30,7 +30,7 @@ def config(tmp_path, checkpoint: dict) -> list[str]:
         "model:\n  class_path: tests.fixtures.byo.MyModel\ndata:\n  class_path: tests.fixtures.byo.MyData\n"
     )
     # batch_size too: the base config's data.init_args.batch_size (64) carries over to any data class that has one
-    return ["--config", str(path), *QUIET, "--data.n_train", "96", "--data.batch_size", "8"]
+    return ["--config", str(path), *QUIET, "--data.n_train", "96", "--data.batch_size", "8", "--run.monitor", "null"]
 
 
 EVERY_4_STEPS = {"every_n_train_steps": 4}  # 12 batches an epoch: steps 4, 8 are mid-epoch, 12 an epoch's end

@@ -364,3 +364,18 @@ PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 
 # Keys LightningCLI adds to a module's and a data module's hparams: bookkeeping, not hyperparameters.
 CLI_HPARAM_KEYS = ("_class_path", "_instantiator")
+
+
+def tree_map(fn: Any, tree: Any) -> Any:
+    """torch's ``tree_map`` (``torch.utils._pytree``, which torch has no public name for): ``fn`` on every leaf of
+    nested lists, tuples and dicts, the structure kept."""
+    from torch.utils._pytree import tree_map as torch_tree_map
+
+    return torch_tree_map(fn, tree)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """torch's ``tree_leaves`` (``torch.utils._pytree``): the leaves of nested lists, tuples and dicts, in order."""
+    from torch.utils._pytree import tree_leaves as torch_tree_leaves
+
+    return torch_tree_leaves(tree)

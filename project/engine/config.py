@@ -56,7 +56,8 @@ SWITCHABLE = ("--model", "--data")
 
 
 def start_from_class_defaults(args: list[str]) -> list[str]:
-    """``--model my.Model`` / ``--data my.Data`` on the command line: that class with its own defaults.
+    """``--model my.Model`` / ``--data my.Data``, or a ``--config`` file naming a model or data class: that class
+    with its own defaults.
 
     jsonargparse keeps, by design, the arguments of the class it replaces that the new class accepts, defaults
     included: ``--model my.Model`` would inherit the example's ``lr``. A ``--model null`` put before it leaves
@@ -66,10 +67,36 @@ def start_from_class_defaults(args: list[str]) -> list[str]:
     for i, arg in enumerate(args):
         flag, _, value = arg.partition("=")
         value = value if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
-        if flag in SWITCHABLE and _is_class_path(value) and out[-2:] != [flag, "null"]:
-            out += [flag, "null"]
+        if flag in SWITCHABLE and _is_class_path(value):
+            switched = [flag]
+        elif flag in ("-c", "--config"):
+            switched = _classes_named_in(value)
+        else:
+            switched = []
+        for key in switched:
+            if out[-2:] != [key, "null"]:
+                out += [key, "null"]
         out.append(arg)
     return out
+
+
+def _classes_named_in(config: str) -> list[str]:
+    """The switchable flags whose class a ``--config`` file names (``model: my.Model`` or ``model: {class_path:
+    ...}``); none for a file that cannot be read here (the parser then says why)."""
+    import yaml
+
+    try:
+        content = yaml.safe_load(Path(config).read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return []
+    if not isinstance(content, dict):
+        return []
+    named = []
+    for flag in SWITCHABLE:
+        value = content.get(flag[2:])
+        if (isinstance(value, str) and _is_class_path(value)) or (isinstance(value, dict) and "class_path" in value):
+            named.append(flag)
+    return named
 
 
 def _is_class_path(value: str) -> bool:
