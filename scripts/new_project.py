@@ -87,6 +87,8 @@ class Renamer:
             re.compile(rf"(?<=`){o}(?=[`\s])"),  # `project`, ``project fit``
         ]
         self._quoted = re.compile(rf"(?<=([\"'])){o}(?=\*?\1)")  # "project", "project*"
+        self._leading = re.compile(rf"^([A-Za-z]{{0,2}}['\"]){o}(?=[\s'\"])")  # a string's first word
+        self._module_arg = re.compile(rf"((['\"])-m\2\s*,\s*(['\"])){o}(?=\3)")  # "-m", "project" in code in a string
         self._shell_word = re.compile(rf"(?:^|(?<=[\s='\"(])|(?<=bin/)|(?<=[)}}]/)){o}(?=$|[\s'\";)|&:*/,])", re.M)
         self._scalar = re.compile(rf"((?:^|[:=\[,]|^\s*-)\s*([\"']?)){o}(?=\2\s*(?:$|[,\]#]))", re.M)  # key: project
 
@@ -116,13 +118,23 @@ class Renamer:
         for line in text.splitlines(keepends=True):
             starts.append(starts[-1] + len(line))
         edits, names, binds = [], [], False
-        stmt, expect, pending, at_start, prev = None, False, False, True, ""
+        stmt, expect, pending, at_start, prev, depth = None, False, False, True, "", 0
         texts = {tokenize.STRING, tokenize.COMMENT, getattr(tokenize, "FSTRING_MIDDLE", -1)}
+        blank = (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE, tokenize.ENDMARKER)
+        code = [t for t in tokens if t.type not in blank]
+        around = {id(t): ([c.string for c in code[max(i - 2, 0) : i][::-1]], [c.string for c in code[i + 1 : i + 2]])
+                  for i, t in enumerate(code)}  # fmt: skip
         for tok in tokens:
             a, b = starts[tok.start[0] - 1] + tok.start[1], starts[tok.end[0] - 1] + tok.end[1]
+            before, after = around.get(id(tok), ([], []))
             if tok.type in texts:
                 new = self.refs(text[a:b])
-                new = self._quoted.sub(self.new, new) if tok.type == tokenize.STRING else new
+                if tok.type == tokenize.STRING:
+                    new = self._module_arg.sub(lambda m: m.group(1) + self.new, new)
+                    if re.search(r"-m (['\"])\s*$", text[max(0, a - 200) : a]):  # "python -m " "project fit"
+                        new = self._leading.sub(lambda m: m.group(1) + self.new, new)
+                    if new.strip("'\"") == self.old and self._names_module(before, after):
+                        new = new.replace(self.old, self.new)
                 if new != text[a:b]:
                     edits.append((a, b, new))
             elif tok.type == tokenize.NEWLINE or tok.string == ";":
@@ -139,15 +151,28 @@ class Renamer:
                     expect = False
                 elif stmt == "import" and tok.string == "as":
                     pending = False
-                elif tok.string == self.old and prev != "." and stmt is None:
-                    names.append((a, b, self.new))
+                elif tok.string == self.old and prev != "." and stmt is None and not (depth and after[:1] == ["="]):
+                    names.append((a, b, self.new))  # not f(project=...): a keyword, not the package
             elif stmt == "import" and tok.string == ",":
                 binds, pending, expect = binds or pending, False, True
+            elif tok.type == tokenize.OP and tok.string in ("(", "[", "{", ")", "]", "}"):
+                depth += 1 if tok.string in "([{" else -1
             if tok.type not in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE):
                 at_start, prev = tok.string == ";", tok.string
         for a, b, new in sorted(edits + (names if binds else []), reverse=True):
             text = text[:a] + new + text[b:]
         return text
+
+    @staticmethod
+    def _names_module(before: list[str], after: list[str]) -> bool:
+        """Whether a string that reads exactly the package's name stands for it: ``"-m", "project"``, a path
+        ``root / "project"``, ``import_module("project")``. A dict key or a value (``args["project"]``) does not."""
+        prev = [*before, "", ""]
+        if prev[0] == "," and prev[1] in ('"-m"', "'-m'"):
+            return True
+        if prev[0] == "/" or after[:1] == ["/"]:
+            return True
+        return prev[0] == "(" and prev[1] in ("import_module", "find_spec", "run_module", "__import__")
 
     def toml(self, text: str) -> str:
         """Values and console-script keys; table headers such as ``[project.scripts]`` never change."""

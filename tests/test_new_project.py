@@ -3,6 +3,7 @@ name or DEST fails before anything is written."""
 
 import ast
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -69,6 +70,20 @@ def template_copy(tmp_path_factory) -> Path:
     return copy
 
 
+def _module_strings(tree: ast.AST) -> set[int]:
+    """The ids of the string constants that stand for a module where one reads exactly a module's name: the one after
+    ``"-m"`` in an argument list, a part of a path ``root / "project"``, ``import_module("project")``."""
+    found = set()
+    for node in ast.walk(tree):
+        elts = getattr(node, "elts", [])
+        found |= {id(b) for a, b in itertools.pairwise(elts) if isinstance(a, ast.Constant) and a.value == "-m"}
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            found |= {id(node.left), id(node.right)}
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            found |= {id(a) for a in node.args[:1]}
+    return found
+
+
 def leftover_references(root: Path) -> list[str]:
     """Every place in ``root`` that still refers to the package ``project``, found without the script's rules."""
     modules = "|".join(p.stem for p in (root / NAME).iterdir())
@@ -79,14 +94,16 @@ def leftover_references(root: Path) -> list[str]:
         text = path.read_text(errors="replace")
         found += [f"{path}: {m.group(0)!r}" for p in patterns for m in re.finditer(p, text, re.M)]
         if path.suffix == ".py":
-            for node in ast.walk(ast.parse(text)):
+            tree = ast.parse(text)
+            module_strings = _module_strings(tree)
+            for node in ast.walk(tree):
                 names = [getattr(node, "module", None) or ""] + [a.name for a in getattr(node, "names", [])]
                 if isinstance(node, (ast.Import, ast.ImportFrom)) and any(re.match(r"project\b", n) for n in names):
                     found.append(f"{path}:{node.lineno} imports {names}")
                 if isinstance(node, ast.Name) and node.id == "project":
                     found.append(f"{path}:{node.lineno} uses the name project")
-                if isinstance(node, ast.Constant) and node.value == "project":
-                    found.append(f"{path}:{node.lineno} has the string 'project'")
+                if isinstance(node, ast.Constant) and node.value == "project" and id(node) in module_strings:
+                    found.append(f"{path}:{node.lineno} names the package 'project' in a string")
     return found
 
 
@@ -105,6 +122,10 @@ RENAMES = [  # (file, template text, expected text): references change, prose an
      'from acme.data import X  # see acme/data.py\nproject = 3  # a name, not the package\n'),
     ("a.py", '"""The project, ``python -m project fit``."""\nargs = ["-m", "project", "pyproject.toml"]\n',
      '"""The project, ``python -m acme fit``."""\nargs = ["-m", "acme", "pyproject.toml"]\n'),
+    ("a.py", 'import project\nwandb.init(project="x", config=project.cfg)\nargs["project"] = args.get("project")\n'
+     'copytree(REPO / "project", "project")\nsys.argv = ["project"]\nm = ("python -m "\n     "project fit")\n',
+     'import acme\nwandb.init(project="x", config=acme.cfg)\nargs["project"] = args.get("project")\n'
+     'copytree(REPO / "acme", "project")\nsys.argv = ["project"]\nm = ("python -m "\n     "acme fit")\n'),
     ("pyproject.toml", '[project]\nname = "project"\ndescription = "A project"\n[project.scripts]\n'
      'project = "project.cli:cli_main"\n[project.optional-dependencies]\ndev = []\n[tool.x]\ninclude = ["project*"]\n',
      '[project]\nname = "acme"\ndescription = "A project"\n[project.scripts]\n'
@@ -123,6 +144,48 @@ RENAMES = [  # (file, template text, expected text): references change, prose an
 @pytest.mark.parametrize(("file", "text", "expected"), RENAMES, ids=[f"{i}-{r[0]}" for i, r in enumerate(RENAMES)])
 def test_renamer_changes_references_to_the_package_and_nothing_else(file, text, expected):
     assert new_project.Renamer("project", "acme", {"data", "nets", "cli", "module"}).file(Path(file), text) == expected
+
+
+def _words(text: str, package: str = "project") -> list[str]:
+    """The string constants and keyword names of Python ``text`` that read the bare word "project" where it is not a
+    module path: not ``project.x``, ``project/``, ``-m project``, not the ``"project"`` after ``"-m"`` in an
+    argument list, nor a path part ``root / "project"``. These are W&B's ``project=``, ``args["project"]``, prose.
+    References to ``package`` in them read ``PKG``, so that a copy's words equal the template's."""
+    module = re.compile(rf"(?<![\w.\-/]){package}(?=[./])|(?<=-m ){package}\b|(?<=`){package}(?=`)")
+    tree = ast.parse(text)
+    skip = _module_strings(tree)
+    found = ["project=" for node in ast.walk(tree) if isinstance(node, ast.keyword) and node.arg == "project"]
+    for node in ast.walk(tree):
+        value = module.sub("PKG", node.value) if isinstance(node, ast.Constant) and isinstance(node.value, str) else ""
+        if id(node) not in skip and re.search(r"(?<![\w\-])project(?![\w\-])", value):
+            found.append(value)
+    return found
+
+
+def test_a_string_or_keyword_that_only_reads_project_keeps_it(generated):
+    """W&B's ``project`` key, ``project=`` keywords and prose are no references to the package (issue 26: the copy's
+    ``configs/wandb.yaml`` failed with "Option 'acme_ml' is not accepted")."""
+    assert 'args["project"] = args.get("project")' in (generated / NAME / "engine" / "runs.py").read_text()
+    checked = 0
+    for rel in sorted(p for p in template_files() if p.endswith(".py")):
+        words = _words((REPO / rel).read_text())
+        copy = _words((generated / re.sub(r"^project/", f"{NAME}/", rel)).read_text(), NAME)
+        assert sorted(copy) == sorted(words), rel
+        checked += len(words)
+    assert checked >= 2  # precondition: the template has such words (runs.py's two)
+
+
+@pytest.mark.slow
+def test_the_copy_logs_to_wandb_offline(generated, tmp_path):
+    """A copy's ``fit --config configs/wandb.yaml`` runs: the logger gets W&B's ``project``, not the package name."""
+    env = {**_env(generated, tmp_path / "blocker"), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    fit = [sys.executable, "-m", NAME, "fit", "--config", str(generated / "configs" / "wandb.yaml"), *QUIET,
+           "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
+           "--model.warmup", "1"]  # fmt: skip
+    proc = subprocess.run(fit, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (run,) = tmp_path.glob("runs/*/version_0")
+    assert list(run.glob("wandb/offline-run-*")), sorted(p.name for p in run.rglob("*"))
 
 
 def test_pyproject_names_the_new_package_and_keeps_its_tables(generated):
