@@ -2,14 +2,16 @@
 
 The copy is a working project of its own. The package ``project/`` becomes ``my_project/`` and every reference
 to it follows: imports, ``class_path`` in configs, ``python -m project``, the console script, the name and
-package settings in ``pyproject.toml``, the README title, tests and CI. The word "project" in prose,
-``pyproject.toml`` and TOML tables such as ``[project.scripts]`` stay as they are.
+package settings in ``pyproject.toml``, the README title, tests and CI. The word "project" anywhere else stays:
+prose, strings and keywords (W&B's ``args["project"]``, ``project=``), ``pyproject.toml``, TOML tables such as
+``[project.scripts]``.
 
 Files come from ``git ls-files`` plus the untracked files git does not ignore, or, outside git, from a walk that
-honours ``.gitignore``; runs, checkpoints, caches, virtual environments and build outputs never travel. This
-script, its test and ``scripts/skeleton/`` stay behind too, as do lines between ``template-only:start`` and
-``template-only:end`` markers (e.g. the README's "Start your own project"). The copy gets a fresh ``git init``
-with one commit. Only the standard library is used, so it runs before any setup.
+honours ``.gitignore``; runs, checkpoints, caches, virtual environments and build outputs never travel. The
+generator, its tests and ``scripts/skeleton/`` stay behind too, as do the benchmarks and their page
+``docs/speed.md`` (``TEMPLATE_ONLY``), and lines between ``template-only:start`` and ``template-only:end`` markers
+(e.g. the README's "Start your own project"). The copy gets a fresh ``git init`` with one commit. Only the
+standard library is used, so it runs before any setup.
 
 ``--no-example`` replaces the digits DataModule with the skeleton in ``scripts/skeleton/`` (synthetic data in the
 same resumable loaders) and leaves out the tests that mention the digits and the scripts that use their
@@ -46,11 +48,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "project"
 SKELETON = Path(__file__).resolve().parent / "skeleton"
+# What stays behind: the generator and its tests, and the template's benchmarks with the page of their figures
+# (a copy's owner times their own model; the figures name the template's code). Paths, folders/ or patterns.
 TEMPLATE_ONLY = (
     Path(__file__).resolve().relative_to(ROOT).as_posix(),
     "tests/test_new_project.py",
     "tests/test_template_update.py",
     "scripts/skeleton/",
+    "scripts/benchmark*.py",
+    "tests/test_benchmark.py",
+    "docs/speed.md",
 )
 RECORD = ".template.json"  # in the copy: the template commit and the answers it was made from; --update reads it
 EXAMPLE_WORD = "digits"  # --no-example leaves out the tests that mention it
@@ -257,7 +264,7 @@ def _split_comment(line: str) -> tuple[str, str]:
 
 def _left_out(rel: Path, patterns: Sequence[str] = ()) -> bool:
     posix = rel.as_posix()
-    if any(posix == t or (t.endswith("/") and posix.startswith(t)) for t in TEMPLATE_ONLY):
+    if any(fnmatch.fnmatchcase(posix, t) or (t.endswith("/") and posix.startswith(t)) for t in TEMPLATE_ONLY):
         return True
     in_left_out_dir = any(fnmatch.fnmatch(d, p) for d in rel.parts[:-1] for p in LEFT_OUT_DIRS)
     if in_left_out_dir or any(fnmatch.fnmatch(rel.name, p) for p in LEFT_OUT_FILES):

@@ -2,6 +2,7 @@
 name or DEST fails before anything is written."""
 
 import ast
+import fnmatch
 import importlib.util
 import itertools
 import json
@@ -19,12 +20,10 @@ from tests.conftest import QUIET, REPO
 
 SCRIPT = REPO / "scripts" / "new_project.py"
 NAME = "acme_ml"  # as long as "project": line breaks stay where they were, so a copy can be compared line by line
-TEMPLATE_ONLY = (
-    "scripts/new_project.py",
-    "tests/test_new_project.py",
-    "scripts/skeleton/",
-    "tests/test_template_update.py",
-)
+GENERATOR = ("scripts/new_project.py", "scripts/skeleton/")  # what makes a copy: a template without it can't
+# What stays behind (issue 27): the generator and its tests, the benchmarks and their page of figures.
+TEMPLATE_ONLY = (*GENERATOR, "tests/test_new_project.py", "tests/test_template_update.py", "scripts/benchmark*.py",
+                 "tests/test_benchmark.py", "docs/speed.md")  # fmt: skip
 GIT_ID = {f"GIT_{r}_{k}": v for r in ("AUTHOR", "COMMITTER") for k, v in (("NAME", "T"), ("EMAIL", "t@example.org"))}
 
 _spec = importlib.util.spec_from_file_location("new_project", SCRIPT)
@@ -35,7 +34,11 @@ _spec.loader.exec_module(new_project)
 def template_files() -> set[str]:
     """What a copy starts from: the files git tracks or would track, less the generator's own."""
     listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True)
-    return {p for p in listed.stdout.splitlines() if (REPO / p).is_file() and not p.startswith(TEMPLATE_ONLY)}
+    return {p for p in listed.stdout.splitlines() if (REPO / p).is_file() and not template_only(p)}
+
+
+def template_only(path: str) -> bool:
+    return any(fnmatch.fnmatchcase(path, t) or (t.endswith("/") and path.startswith(t)) for t in TEMPLATE_ONLY)
 
 
 def tree(root: Path) -> set[str]:
@@ -63,10 +66,12 @@ def bare(tmp_path_factory) -> Path:
 def template_copy(tmp_path_factory) -> Path:
     """A copy of the template, outside git, where a test may write junk or aim DEST inside."""
     copy = tmp_path_factory.mktemp("template") / "template"
-    for rel in [*template_files(), *TEMPLATE_ONLY[:2]]:
-        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / rel, copy / rel)
-    shutil.copytree(REPO / TEMPLATE_ONLY[2], copy / TEMPLATE_ONLY[2], ignore=shutil.ignore_patterns("__pycache__"))
+    for rel in [*template_files(), *GENERATOR, "tests/test_new_project.py"]:
+        if (REPO / rel).is_dir():
+            shutil.copytree(REPO / rel, copy / rel, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, copy / rel)
     return copy
 
 
@@ -242,7 +247,8 @@ def test_runs_checkpoints_caches_and_venv_stay_behind(template_copy, tmp_path, g
         readme.write("\n<!-- template-only:start -->\nnew_project.py makes copies\n<!-- template-only:end -->\n")
     junk = ["runs/digits/version_0/checkpoints/last.ckpt", "lightning_logs/version_0/x", "project/__pycache__/a.pyc",
             ".venv/bin/python", "project.egg-info/PKG-INFO", "build/lib/a.py", "dist/a.whl", "stray.ckpt",
-            ".pytest_cache/v", ".ruff_cache/x", "weights.pth"]  # fmt: skip
+            ".pytest_cache/v", ".ruff_cache/x", "weights.pth", "docs/speed.md", "scripts/benchmark_new.py",
+            "tests/test_benchmark.py"]  # fmt: skip
     for rel in [*junk, "notes/keep.txt"]:
         (template / rel).parent.mkdir(parents=True, exist_ok=True)
         (template / rel).write_text("x\n")
@@ -254,7 +260,7 @@ def test_runs_checkpoints_caches_and_venv_stay_behind(template_copy, tmp_path, g
     proc = run_script(str(tmp_path / "out"), "--name", NAME, script=template / "scripts" / "new_project.py")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out"
-    expected = {re.sub(r"^project/", f"{NAME}/", p) for p in tree(template_copy) if not p.startswith(TEMPLATE_ONLY)}
+    expected = {re.sub(r"^project/", f"{NAME}/", p) for p in tree(template_copy) if not template_only(p)}
     assert tree(out) == expected | {"notes/keep.txt", "assets/logo.png", ".template.json"}
     assert (out / "assets" / "logo.png").read_bytes() == b"\x89PNG\0\xff project"  # binary: copied as it is
     assert "template-only" not in (out / "README.md").read_text()
@@ -267,6 +273,29 @@ def test_runs_checkpoints_caches_and_venv_stay_behind(template_copy, tmp_path, g
     assert record == {"template_commit": head if git else None, "uncommitted": [], "name": NAME, "example": True,
                       "author": None, "description": None}  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "template"]  # no staging folder left
+
+
+def test_the_template_benchmarks_stay_behind(generated, bare):
+    """A copy's owner times their own model: no benchmark script, its test or the page of the template's figures."""
+    assert (REPO / "scripts" / "benchmark.py").is_file()  # precondition: there are benchmarks to leave behind
+    for copy in (generated, bare):
+        left = sorted(p for p in tree(copy) if template_only(p) or "benchmark" in p or p == "docs/speed.md")
+        assert left == [], copy
+
+
+def test_no_file_of_the_copy_names_a_template_commit(generated):
+    """Words of 7-40 hex digits that are commits of the template name code the copy does not have. Only the record
+    .template.json names one, the commit --update merges from: the scan must find that one."""
+    words = {}
+    for path in sorted(p for p in generated.rglob("*") if p.is_file() and ".git" not in p.parts):
+        for word in re.findall(r"\b[0-9a-f]{7,40}\b", path.read_text(errors="replace")):
+            words.setdefault(word, []).append(path.relative_to(generated).as_posix())
+    query = "".join(f"{w}^{{commit}}\n" for w in words)
+    check = subprocess.run(["git", "cat-file", "--batch-check"], cwd=REPO, input=query, capture_output=True, text=True)
+    commits = [w for w, line in zip(words, check.stdout.splitlines(), strict=True) if not line.endswith("missing")]
+    record = json.loads((generated / ".template.json").read_text())["template_commit"]
+    assert record in commits and words[record] == [".template.json"]  # precondition: the scan finds a real one
+    assert {w: words[w] for w in commits if w != record} == {}
 
 
 @pytest.mark.parametrize(
