@@ -3,7 +3,7 @@ name or DEST fails before anything is written."""
 
 import ast
 import fnmatch
-import importlib.util
+import importlib
 import itertools
 import json
 import os
@@ -20,15 +20,18 @@ from tests.conftest import QUIET, REPO
 
 SCRIPT = REPO / "scripts" / "new_project.py"
 NAME = "acme_ml"  # as long as "project": line breaks stay where they were, so a copy can be compared line by line
-GENERATOR = ("scripts/new_project.py", "scripts/skeleton/")  # what makes a copy: a template without it can't
+GENERATOR_MODULES = ("new_project", "template_copy", "template_renamer", "template_no_example", "template_update")
+GENERATOR = (*(f"scripts/{m}.py" for m in GENERATOR_MODULES), "scripts/skeleton/")  # what makes a copy
 # What stays behind (issue 27): the generator and its tests, the benchmarks and their page of figures.
 TEMPLATE_ONLY = (*GENERATOR, "tests/test_new_project.py", "tests/test_template_update.py", "scripts/benchmark*.py",
                  "tests/test_benchmark.py", "docs/speed.md")  # fmt: skip
 GIT_ID = {f"GIT_{r}_{k}": v for r in ("AUTHOR", "COMMITTER") for k, v in (("NAME", "T"), ("EMAIL", "t@example.org"))}
 
-_spec = importlib.util.spec_from_file_location("new_project", SCRIPT)
-new_project = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(new_project)
+sys.path.insert(0, str(SCRIPT.parent))  # as when run as a script: its modules import each other from scripts/
+try:
+    new_project, copier, template_renamer = map(importlib.import_module, GENERATOR_MODULES[:3])
+finally:
+    sys.path.remove(str(SCRIPT.parent))
 
 
 def template_files() -> set[str]:
@@ -148,7 +151,8 @@ RENAMES = [  # (file, template text, expected text): references change, prose an
 
 @pytest.mark.parametrize(("file", "text", "expected"), RENAMES, ids=[f"{i}-{r[0]}" for i, r in enumerate(RENAMES)])
 def test_renamer_changes_references_to_the_package_and_nothing_else(file, text, expected):
-    assert new_project.Renamer("project", "acme", {"data", "nets", "cli", "module"}).file(Path(file), text) == expected
+    renamer = template_renamer.Renamer("project", "acme", {"data", "nets", "cli", "module"})
+    assert renamer.file(Path(file), text) == expected
 
 
 def _words(text: str, package: str = "project") -> list[str]:
@@ -211,7 +215,7 @@ def test_nothing_but_references_to_the_package_changes(generated):
     expected = {re.sub(r"^project/", f"{NAME}/", p) for p in template_files()}
     assert tree(generated) == expected | {".template.json"}
     for rel in template_files():
-        old = new_project.drop_template_only((REPO / rel).read_text(errors="replace"))
+        old = copier.drop_template_only((REPO / rel).read_text(errors="replace"))
         new = (generated / re.sub(r"^project/", f"{NAME}/", rel)).read_text(errors="replace").replace(NAME, "project")
         if rel == "README.md":  # its title is the project's name
             old, new = old.split("\n", 1)[1], new.split("\n", 1)[1]
