@@ -48,6 +48,12 @@ test-oldest:  ## the fast tests on the oldest versions pyproject.toml allows, in
 	.venv-oldest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
 	.venv-oldest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
 
+# template-only:start (a copy has no scripts/new_project.py)
+.PHONY: test-copy
+test-copy: setup  ## a copy made by scripts/new_project.py runs its whole suite, both tiers (CI runs it)
+	WORKERS=$(WORKERS) .ci/test_copy.sh $(ARGS)
+# template-only:end
+
 lint: setup  ## ruff lint and format check
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 

@@ -23,8 +23,9 @@ SKELETON = Path(__file__).resolve().parent / "skeleton"
 # The generator: what makes copies and is no part of one.
 GENERATOR = ("scripts/new_project.py", "scripts/template_copy.py", "scripts/template_renamer.py",
              "scripts/template_no_example.py", "scripts/template_update.py", "scripts/skeleton/")  # fmt: skip
-# What stays behind: the generator and its tests, and the template's benchmarks with the page of their figures
-# (a copy's owner times their own model; the figures name the template's code). Paths, folders/ or patterns.
+# What stays behind: the generator, its tests and the CI run of a copy; the template's benchmarks with the page of
+# their figures (a copy's owner times their own model; the figures name the template's code). Paths, folders/ or
+# patterns.
 TEMPLATE_ONLY = (
     *GENERATOR,
     "tests/test_new_project.py",
@@ -32,6 +33,7 @@ TEMPLATE_ONLY = (
     "scripts/benchmark*.py",
     "tests/test_benchmark.py",
     "docs/speed.md",
+    ".ci/test_copy.sh",
 )
 RECORD = ".template.json"  # in the copy: the template commit and the answers it was made from; --update reads it
 # fmt: off

@@ -24,7 +24,7 @@ GENERATOR_MODULES = ("new_project", "template_copy", "template_renamer", "templa
 GENERATOR = (*(f"scripts/{m}.py" for m in GENERATOR_MODULES), "scripts/skeleton/")  # what makes a copy
 # What stays behind (issue 27): the generator and its tests, the benchmarks and their page of figures.
 TEMPLATE_ONLY = (*GENERATOR, "tests/test_new_project.py", "tests/test_template_update.py", "scripts/benchmark*.py",
-                 "tests/test_benchmark.py", "docs/speed.md")  # fmt: skip
+                 "tests/test_benchmark.py", "docs/speed.md", ".ci/test_copy.sh")  # fmt: skip
 GIT_ID = {f"GIT_{r}_{k}": v for r in ("AUTHOR", "COMMITTER") for k, v in (("NAME", "T"), ("EMAIL", "t@example.org"))}
 
 sys.path.insert(0, str(SCRIPT.parent))  # as when run as a script: its modules import each other from scripts/
@@ -279,12 +279,14 @@ def test_runs_checkpoints_caches_and_venv_stay_behind(template_copy, tmp_path, g
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "template"]  # no staging folder left
 
 
-def test_the_template_benchmarks_stay_behind(generated, bare):
-    """A copy's owner times their own model: no benchmark script, its test or the page of the template's figures."""
+def test_the_template_benchmarks_and_the_copy_test_stay_behind(generated, bare):
+    """A copy's owner times their own model: no benchmark script, its test or the page of the template's figures;
+    and no ``make test-copy``, which needs the generator."""
     assert (REPO / "scripts" / "benchmark.py").is_file()  # precondition: there are benchmarks to leave behind
     for copy in (generated, bare):
         left = sorted(p for p in tree(copy) if template_only(p) or "benchmark" in p or p == "docs/speed.md")
         assert left == [], copy
+        assert "test-copy" not in (copy / "Makefile").read_text() + (copy / ".ci" / "run").read_text()
 
 
 def test_no_file_of_the_copy_names_a_template_commit(generated):
