@@ -39,18 +39,21 @@ import tempfile
 from importlib.util import find_spec
 from pathlib import Path
 
+# The generator's other modules, beside this script (sys.path[0] when it runs; all stay behind in a copy):
+# which files travel and how each is written, the renaming, --no-example, --update.
 from template_copy import (
     PACKAGE,
     RECORD,
     ROOT,
     UsageError,
     make_record,
+    n_files,
     parse_author,
     render,
     template_files,
     template_state,
 )
-from template_update import n_files, update
+from template_update import update
 
 # fmt: off
 # Names a package must not take: what projects made from this template import, and the test tools.

@@ -104,6 +104,10 @@ def template_state() -> tuple[str | None, list[str]]:
     return head, sorted({p for p in changed.split("\0") if p and not left_out(Path(p))})
 
 
+def n_files(n: int) -> str:
+    return f"{n} file{'s' * (n != 1)}"
+
+
 def make_record(commit: str | None, uncommitted: list[str], name: str, example: bool, author: str | None,
                 description: str | None) -> str:  # fmt: skip
     """``uncommitted``: template files the copy took as they were on disk, not as in ``commit``."""

@@ -18,14 +18,11 @@ from template_copy import (
     is_git_top,
     left_out,
     make_record,
+    n_files,
     parse_author,
     render,
     template_state,
 )
-
-
-def n_files(n: int) -> str:
-    return f"{n} file{'s' * (n != 1)}"
 
 
 def _copy_as_tree(dest: Path, rev: str, answers: dict, record: str, tmp: Path) -> str:
