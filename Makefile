@@ -57,6 +57,11 @@ test-newest:  ## the fast tests on the newest versions pyproject.toml allows, in
 	.venv-newest/bin/pip install --quiet --upgrade --upgrade-strategy eager -c .venv-newest/constraints.txt -e ".[dev]"
 	.venv-newest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
 	.venv-newest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
+# template-only:start (a copy has no scripts/new_project.py)
+.PHONY: test-copy
+test-copy: setup  ## a copy made by scripts/new_project.py runs its whole suite, both tiers (CI runs it)
+	WORKERS=$(WORKERS) .ci/test_copy.sh $(ARGS)
+# template-only:end
 
 lint: setup  ## ruff lint and format check
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -2,7 +2,9 @@
 name or DEST fails before anything is written."""
 
 import ast
-import importlib.util
+import fnmatch
+import importlib
+import itertools
 import json
 import os
 import re
@@ -18,23 +20,28 @@ from tests.conftest import QUIET, REPO
 
 SCRIPT = REPO / "scripts" / "new_project.py"
 NAME = "acme_ml"  # as long as "project": line breaks stay where they were, so a copy can be compared line by line
-TEMPLATE_ONLY = (
-    "scripts/new_project.py",
-    "tests/test_new_project.py",
-    "scripts/skeleton/",
-    "tests/test_template_update.py",
-)
+GENERATOR_MODULES = ("new_project", "template_copy", "template_renamer", "template_no_example", "template_update")
+GENERATOR = (*(f"scripts/{m}.py" for m in GENERATOR_MODULES), "scripts/skeleton/")  # what makes a copy
+# What stays behind (issue 27): the generator and its tests, the benchmarks and their page of figures.
+TEMPLATE_ONLY = (*GENERATOR, "tests/test_new_project.py", "tests/test_template_update.py", "scripts/benchmark*.py",
+                 "tests/test_benchmark.py", "docs/speed.md", ".ci/test_copy.sh")  # fmt: skip
 GIT_ID = {f"GIT_{r}_{k}": v for r in ("AUTHOR", "COMMITTER") for k, v in (("NAME", "T"), ("EMAIL", "t@example.org"))}
 
-_spec = importlib.util.spec_from_file_location("new_project", SCRIPT)
-new_project = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(new_project)
+sys.path.insert(0, str(SCRIPT.parent))  # as when run as a script: its modules import each other from scripts/
+try:
+    new_project, copier, template_renamer = map(importlib.import_module, GENERATOR_MODULES[:3])
+finally:
+    sys.path.remove(str(SCRIPT.parent))
 
 
 def template_files() -> set[str]:
     """What a copy starts from: the files git tracks or would track, less the generator's own."""
     listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True)
-    return {p for p in listed.stdout.splitlines() if (REPO / p).is_file() and not p.startswith(TEMPLATE_ONLY)}
+    return {p for p in listed.stdout.splitlines() if (REPO / p).is_file() and not template_only(p)}
+
+
+def template_only(path: str) -> bool:
+    return any(fnmatch.fnmatchcase(path, t) or (t.endswith("/") and path.startswith(t)) for t in TEMPLATE_ONLY)
 
 
 def tree(root: Path) -> set[str]:
@@ -62,11 +69,27 @@ def bare(tmp_path_factory) -> Path:
 def template_copy(tmp_path_factory) -> Path:
     """A copy of the template, outside git, where a test may write junk or aim DEST inside."""
     copy = tmp_path_factory.mktemp("template") / "template"
-    for rel in [*template_files(), *TEMPLATE_ONLY[:2]]:
-        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / rel, copy / rel)
-    shutil.copytree(REPO / TEMPLATE_ONLY[2], copy / TEMPLATE_ONLY[2], ignore=shutil.ignore_patterns("__pycache__"))
+    for rel in [*template_files(), *GENERATOR, "tests/test_new_project.py"]:
+        if (REPO / rel).is_dir():
+            shutil.copytree(REPO / rel, copy / rel, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, copy / rel)
     return copy
+
+
+def _module_strings(tree: ast.AST) -> set[int]:
+    """The ids of the string constants that stand for a module where one reads exactly a module's name: the one after
+    ``"-m"`` in an argument list, a part of a path ``root / "project"``, ``import_module("project")``."""
+    found = set()
+    for node in ast.walk(tree):
+        elts = getattr(node, "elts", [])
+        found |= {id(b) for a, b in itertools.pairwise(elts) if isinstance(a, ast.Constant) and a.value == "-m"}
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            found |= {id(node.left), id(node.right)}
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            found |= {id(a) for a in node.args[:1]}
+    return found
 
 
 def leftover_references(root: Path) -> list[str]:
@@ -79,14 +102,16 @@ def leftover_references(root: Path) -> list[str]:
         text = path.read_text(errors="replace")
         found += [f"{path}: {m.group(0)!r}" for p in patterns for m in re.finditer(p, text, re.M)]
         if path.suffix == ".py":
-            for node in ast.walk(ast.parse(text)):
+            tree = ast.parse(text)
+            module_strings = _module_strings(tree)
+            for node in ast.walk(tree):
                 names = [getattr(node, "module", None) or ""] + [a.name for a in getattr(node, "names", [])]
                 if isinstance(node, (ast.Import, ast.ImportFrom)) and any(re.match(r"project\b", n) for n in names):
                     found.append(f"{path}:{node.lineno} imports {names}")
                 if isinstance(node, ast.Name) and node.id == "project":
                     found.append(f"{path}:{node.lineno} uses the name project")
-                if isinstance(node, ast.Constant) and node.value == "project":
-                    found.append(f"{path}:{node.lineno} has the string 'project'")
+                if isinstance(node, ast.Constant) and node.value == "project" and id(node) in module_strings:
+                    found.append(f"{path}:{node.lineno} names the package 'project' in a string")
     return found
 
 
@@ -105,6 +130,10 @@ RENAMES = [  # (file, template text, expected text): references change, prose an
      'from acme.data import X  # see acme/data.py\nproject = 3  # a name, not the package\n'),
     ("a.py", '"""The project, ``python -m project fit``."""\nargs = ["-m", "project", "pyproject.toml"]\n',
      '"""The project, ``python -m acme fit``."""\nargs = ["-m", "acme", "pyproject.toml"]\n'),
+    ("a.py", 'import project\nwandb.init(project="x", config=project.cfg)\nargs["project"] = args.get("project")\n'
+     'copytree(REPO / "project", "project")\nsys.argv = ["project"]\nm = ("python -m "\n     "project fit")\n',
+     'import acme\nwandb.init(project="x", config=acme.cfg)\nargs["project"] = args.get("project")\n'
+     'copytree(REPO / "acme", "project")\nsys.argv = ["project"]\nm = ("python -m "\n     "acme fit")\n'),
     ("pyproject.toml", '[project]\nname = "project"\ndescription = "A project"\n[project.scripts]\n'
      'project = "project.cli:cli_main"\n[project.optional-dependencies]\ndev = []\n[tool.x]\ninclude = ["project*"]\n',
      '[project]\nname = "acme"\ndescription = "A project"\n[project.scripts]\n'
@@ -122,7 +151,50 @@ RENAMES = [  # (file, template text, expected text): references change, prose an
 
 @pytest.mark.parametrize(("file", "text", "expected"), RENAMES, ids=[f"{i}-{r[0]}" for i, r in enumerate(RENAMES)])
 def test_renamer_changes_references_to_the_package_and_nothing_else(file, text, expected):
-    assert new_project.Renamer("project", "acme", {"data", "nets", "cli", "module"}).file(Path(file), text) == expected
+    renamer = template_renamer.Renamer("project", "acme", {"data", "nets", "cli", "module"})
+    assert renamer.file(Path(file), text) == expected
+
+
+def _words(text: str, package: str = "project") -> list[str]:
+    """The string constants and keyword names of Python ``text`` that read the bare word "project" where it is not a
+    module path: not ``project.x``, ``project/``, ``-m project``, not the ``"project"`` after ``"-m"`` in an
+    argument list, nor a path part ``root / "project"``. These are W&B's ``project=``, ``args["project"]``, prose.
+    References to ``package`` in them read ``PKG``, so that a copy's words equal the template's."""
+    module = re.compile(rf"(?<![\w.\-/]){package}(?=[./])|(?<=-m ){package}\b|(?<=`){package}(?=`)")
+    tree = ast.parse(text)
+    skip = _module_strings(tree)
+    found = ["project=" for node in ast.walk(tree) if isinstance(node, ast.keyword) and node.arg == "project"]
+    for node in ast.walk(tree):
+        value = module.sub("PKG", node.value) if isinstance(node, ast.Constant) and isinstance(node.value, str) else ""
+        if id(node) not in skip and re.search(r"(?<![\w\-])project(?![\w\-])", value):
+            found.append(value)
+    return found
+
+
+def test_a_string_or_keyword_that_only_reads_project_keeps_it(generated):
+    """W&B's ``project`` key, ``project=`` keywords and prose are no references to the package (issue 26: the copy's
+    ``configs/wandb.yaml`` failed with "Option 'acme_ml' is not accepted")."""
+    assert 'args["project"] = args.get("project")' in (generated / NAME / "engine" / "runs.py").read_text()
+    checked = 0
+    for rel in sorted(p for p in template_files() if p.endswith(".py")):
+        words = _words((REPO / rel).read_text())
+        copy = _words((generated / re.sub(r"^project/", f"{NAME}/", rel)).read_text(), NAME)
+        assert sorted(copy) == sorted(words), rel
+        checked += len(words)
+    assert checked >= 2  # precondition: the template has such words (runs.py's two)
+
+
+@pytest.mark.slow
+def test_the_copy_logs_to_wandb_offline(generated, tmp_path):
+    """A copy's ``fit --config configs/wandb.yaml`` runs: the logger gets W&B's ``project``, not the package name."""
+    env = {**_env(generated, tmp_path / "blocker"), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    fit = [sys.executable, "-m", NAME, "fit", "--config", str(generated / "configs" / "wandb.yaml"), *QUIET,
+           "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
+           "--model.warmup", "1"]  # fmt: skip
+    proc = subprocess.run(fit, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (run,) = tmp_path.glob("runs/*/version_0")
+    assert list(run.glob("wandb/offline-run-*")), sorted(p.name for p in run.rglob("*"))
 
 
 def test_pyproject_names_the_new_package_and_keeps_its_tables(generated):
@@ -143,7 +215,7 @@ def test_nothing_but_references_to_the_package_changes(generated):
     expected = {re.sub(r"^project/", f"{NAME}/", p) for p in template_files()}
     assert tree(generated) == expected | {".template.json"}
     for rel in template_files():
-        old = new_project.drop_template_only((REPO / rel).read_text(errors="replace"))
+        old = copier.drop_template_only((REPO / rel).read_text(errors="replace"))
         new = (generated / re.sub(r"^project/", f"{NAME}/", rel)).read_text(errors="replace").replace(NAME, "project")
         if rel == "README.md":  # its title is the project's name
             old, new = old.split("\n", 1)[1], new.split("\n", 1)[1]
@@ -179,7 +251,8 @@ def test_runs_checkpoints_caches_and_venv_stay_behind(template_copy, tmp_path, g
         readme.write("\n<!-- template-only:start -->\nnew_project.py makes copies\n<!-- template-only:end -->\n")
     junk = ["runs/digits/version_0/checkpoints/last.ckpt", "lightning_logs/version_0/x", "project/__pycache__/a.pyc",
             ".venv/bin/python", "project.egg-info/PKG-INFO", "build/lib/a.py", "dist/a.whl", "stray.ckpt",
-            ".pytest_cache/v", ".ruff_cache/x", "weights.pth"]  # fmt: skip
+            ".pytest_cache/v", ".ruff_cache/x", "weights.pth", "docs/speed.md", "scripts/benchmark_new.py",
+            "tests/test_benchmark.py"]  # fmt: skip
     for rel in [*junk, "notes/keep.txt"]:
         (template / rel).parent.mkdir(parents=True, exist_ok=True)
         (template / rel).write_text("x\n")
@@ -191,7 +264,7 @@ def test_runs_checkpoints_caches_and_venv_stay_behind(template_copy, tmp_path, g
     proc = run_script(str(tmp_path / "out"), "--name", NAME, script=template / "scripts" / "new_project.py")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out"
-    expected = {re.sub(r"^project/", f"{NAME}/", p) for p in tree(template_copy) if not p.startswith(TEMPLATE_ONLY)}
+    expected = {re.sub(r"^project/", f"{NAME}/", p) for p in tree(template_copy) if not template_only(p)}
     assert tree(out) == expected | {"notes/keep.txt", "assets/logo.png", ".template.json"}
     assert (out / "assets" / "logo.png").read_bytes() == b"\x89PNG\0\xff project"  # binary: copied as it is
     assert "template-only" not in (out / "README.md").read_text()
@@ -204,6 +277,31 @@ def test_runs_checkpoints_caches_and_venv_stay_behind(template_copy, tmp_path, g
     assert record == {"template_commit": head if git else None, "uncommitted": [], "name": NAME, "example": True,
                       "author": None, "description": None}  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "template"]  # no staging folder left
+
+
+def test_the_template_benchmarks_and_the_copy_test_stay_behind(generated, bare):
+    """A copy's owner times their own model: no benchmark script, its test or the page of the template's figures;
+    and no ``make test-copy``, which needs the generator."""
+    assert (REPO / "scripts" / "benchmark.py").is_file()  # precondition: there are benchmarks to leave behind
+    for copy in (generated, bare):
+        left = sorted(p for p in tree(copy) if template_only(p) or "benchmark" in p or p == "docs/speed.md")
+        assert left == [], copy
+        assert "test-copy" not in (copy / "Makefile").read_text() + (copy / ".ci" / "run").read_text()
+
+
+def test_no_file_of_the_copy_names_a_template_commit(generated):
+    """Words of 7-40 hex digits that are commits of the template name code the copy does not have. Only the record
+    .template.json names one, the commit --update merges from: the scan must find that one."""
+    words = {}
+    for path in sorted(p for p in generated.rglob("*") if p.is_file() and ".git" not in p.parts):
+        for word in re.findall(r"\b[0-9a-f]{7,40}\b", path.read_text(errors="replace")):
+            words.setdefault(word, []).append(path.relative_to(generated).as_posix())
+    query = "".join(f"{w}^{{commit}}\n" for w in words)
+    check = subprocess.run(["git", "cat-file", "--batch-check"], cwd=REPO, input=query, capture_output=True, text=True)
+    commits = [w for w, line in zip(words, check.stdout.splitlines(), strict=True) if not line.endswith("missing")]
+    record = json.loads((generated / ".template.json").read_text())["template_commit"]
+    assert record in commits and words[record] == [".template.json"]  # precondition: the scan finds a real one
+    assert {w: words[w] for w in commits if w != record} == {}
 
 
 @pytest.mark.parametrize(
