@@ -105,8 +105,12 @@ def leftover_references(root: Path) -> list[str]:
             tree = ast.parse(text)
             module_strings = _module_strings(tree)
             for node in ast.walk(tree):
-                names = [getattr(node, "module", None) or ""] + [a.name for a in getattr(node, "names", [])]
-                if isinstance(node, (ast.Import, ast.ImportFrom)) and any(re.match(r"project\b", n) for n in names):
+                names = []
+                if isinstance(node, (ast.Import, ast.ImportFrom)):  # (global/nonlocal have names too: strings)
+                    names = [node.module or "" if isinstance(node, ast.ImportFrom) else ""] + [
+                        a.name for a in node.names
+                    ]
+                if names and any(re.match(r"project\b", n) for n in names):
                     found.append(f"{path}:{node.lineno} imports {names}")
                 if isinstance(node, ast.Name) and node.id == "project":
                     found.append(f"{path}:{node.lineno} uses the name project")
@@ -343,7 +347,7 @@ def test_a_bad_dest_or_author_fails_clearly_and_creates_nothing(template_copy, t
 
 def test_no_example_swaps_the_digits_for_the_skeleton(bare, generated):
     data = (bare / NAME / "data.py").read_text()
-    assert "class DataModule(L.LightningDataModule)" in data and "make_loader" in data
+    assert "class DataModule(L.LightningDataModule)" in data and "load_digits" not in data
     config = yaml.safe_load((bare / "configs" / "default.yaml").read_text())
     assert config["data"] == f"{NAME}.data.DataModule"  # the class alone: its own defaults apply
     for path in [p for p in bare.rglob("*.py") if p.name != "conftest.py"]:

@@ -1,15 +1,13 @@
-"""Data: a DataModule skeleton for your own data, served by loaders that resume mid-epoch exactly.
+"""Data: a DataModule skeleton for your own data, written as Lightning's docs teach.
 
-Fill ``DataModule.setup`` with your datasets (downloads belong in ``prepare_data``, which runs on one process).
-Keep ``make_loader``: it is what makes a resumed run see the same batches, and every validation sample counted
-exactly once under DDP.
+Fill ``DataModule.setup`` with your datasets (downloads belong in ``prepare_data``, which runs on one process) and
+return plain ``DataLoader``s: the engine makes them resume mid-epoch exactly and gives each evaluation sample to
+exactly one rank under DDP.
 """
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
-
-from project.engine.loaders import TensorBatchDataset, make_loader
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
 class DataModule(L.LightningDataModule):
@@ -22,10 +20,8 @@ class DataModule(L.LightningDataModule):
         num_classes: Number of classes (the model's ``num_classes`` must match: ``--model.num_classes``).
         val_fraction: Share of the data held out for validation.
         test_fraction: Share of the data held out for testing.
-        seed: Seeds the data, the train/val/test split and the shuffle order of every epoch.
+        seed: Seeds the data and the train/val/test split.
         num_workers: Loader worker processes per rank; 0 loads in the main process (best for in-memory data).
-        pin_memory: Page-lock batches for faster host-to-GPU copies.
-        persistent_workers: Keep workers alive between epochs (needs ``num_workers > 0``).
     """
 
     def __init__(
@@ -38,8 +34,6 @@ class DataModule(L.LightningDataModule):
         test_fraction: float = 0.15,
         seed: int = 0,
         num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -55,11 +49,8 @@ class DataModule(L.LightningDataModule):
             )
         if num_workers < 0:
             raise ValueError(f"num_workers ({num_workers}) must be >= 0")
-        if persistent_workers and num_workers == 0:
-            raise ValueError("persistent_workers=True needs num_workers > 0")
         self.save_hyperparameters()
-        self.num_classes = num_classes
-        self.splits: dict[str, TensorBatchDataset] = {}
+        self.splits: dict[str, Dataset] = {}
 
     def setup(self, stage: str) -> None:
         if self.splits:
@@ -72,23 +63,14 @@ class DataModule(L.LightningDataModule):
         order = torch.randperm(hp.num_samples, generator=generator)
         n_val, n_test = int(hp.num_samples * hp.val_fraction), int(hp.num_samples * hp.test_fraction)
         parts = {"val": order[:n_val], "test": order[n_val : n_val + n_test], "train": order[n_val + n_test :]}
-        self.splits = {name: TensorBatchDataset(x[idx], y[idx]) for name, idx in parts.items()}
+        self.splits = {name: TensorDataset(x[idx], y[idx]) for name, idx in parts.items()}
 
-    def _loader(self, split: str, train: bool = False) -> DataLoader:
+    def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
         hp = self.hparams
-        return make_loader(
-            self.splits[split],
-            self.trainer,
-            train=train,
-            seed=hp.seed,
-            batch_size=hp.batch_size,
-            num_workers=hp.num_workers,
-            pin_memory=hp.pin_memory,
-            persistent_workers=hp.persistent_workers,
-        )
+        return DataLoader(self.splits[split], batch_size=hp.batch_size, shuffle=shuffle, num_workers=hp.num_workers)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", train=True)
+        return self._loader("train", shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val")
