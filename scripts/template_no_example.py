@@ -1,6 +1,7 @@
 """``--no-example``: the digits data module (the whole ``data.py``) gives way to the skeleton in
-``scripts/skeleton/`` (synthetic data in plain loaders), and the tests that mention the digits and the scripts that use their DataModule stay
-behind; the Classifier and the nets stay. Used by scripts/template_copy.py; only the standard library.
+``scripts/skeleton/`` (synthetic data in plain loaders), and the tests that mention the digits and the scripts that
+use their DataModule stay behind; the Classifier and the nets stay. Used by scripts/template_copy.py; only the
+standard library.
 """
 
 import ast
