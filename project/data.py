@@ -6,30 +6,10 @@ The engine puts its own samplers into these loaders, so a resumed run sees the s
 evaluation sample is counted exactly once (``project.engine.user_loaders``).
 """
 
-import gzip
-from importlib.util import find_spec
-from pathlib import Path
-
 import lightning as L
-import numpy as np
 import torch
+from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
-
-
-def load_digits() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits: images (N, 8, 8) with values 0-16, and labels (N,); those of
-    ``sklearn.datasets.load_digits()``, read from the file scikit-learn ships without importing it (its import is
-    ~0.2 s of every run's start-up, the read 0.01 s)."""
-    spec = find_spec("sklearn")
-    csv = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
-    if csv is None or not csv.is_file():  # not where scikit-learn 1.x keeps it: ask scikit-learn
-        from sklearn.datasets import load_digits as sklearn_load_digits
-
-        digits = sklearn_load_digits()
-        return digits.images, digits.target
-    with gzip.open(csv, "rt") as file:
-        rows = np.loadtxt(file, delimiter=",")
-    return rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(int)
 
 
 class DigitsDataModule(L.LightningDataModule):
@@ -75,7 +55,8 @@ class DigitsDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         if self.splits:
             return
-        pixels, targets = load_digits()
+        digits = load_digits()  # images (N, 8, 8) with values 0-16, labels (N,)
+        pixels, targets = digits.images, digits.target
         images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8) in [0, 1]
         labels = torch.tensor(targets, dtype=torch.long)  # (N,)
         n = len(labels)

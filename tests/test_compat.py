@@ -541,3 +541,19 @@ def test_torch_pytree_tree_map_and_tree_leaves_walk_nested_batches():
     assert tree_leaves(batch)[0] is batch["x"] and len(tree_leaves(batch)) == 3
     doubled = tree_map(lambda v: v * 2, batch)
     assert doubled["pair"][1] == [6] and torch.equal(doubled["x"], torch.full((2,), 2.0))
+
+
+def test_model_parallel_setup_checks_configure_model_on_the_instance_and_the_shim_is_undone():
+    import inspect
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from project.engine.compat import configure_model_counted_as_overridden
+
+    assert 'is_overridden("configure_model", self.lightning_module)' in inspect.getsource(ModelParallelStrategy.setup)
+    module = Classifier(MLP())
+    assert not is_overridden("configure_model", module)
+    with configure_model_counted_as_overridden(module):
+        assert is_overridden("configure_model", module)
+    assert not is_overridden("configure_model", module) and "configure_model" not in vars(module)

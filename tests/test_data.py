@@ -1,13 +1,11 @@
 """The digits DataModule and the samplers that make DDP evaluation exact and resumes land on the same batch."""
 
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-import project.data
-from project.data import DigitsDataModule, load_digits
+from project.data import DigitsDataModule
 from project.engine.loaders import ResumableDataLoader, ResumableSampler, TensorBatchDataset, make_loader
 
 
@@ -24,20 +22,6 @@ def test_split_is_deterministic_disjoint_and_complete():
     c = DigitsDataModule(seed=4)
     c.setup("fit")
     assert not torch.equal(a.splits["val"].tensors[1], c.splits["val"].tensors[1])
-
-
-def test_digits_are_scikit_learns_read_directly_or_through_it_when_the_file_moves(monkeypatch):
-    from sklearn.datasets import load_digits as sklearn_load_digits
-
-    expected = sklearn_load_digits()
-    monkeypatch.delitem(sys.modules, "sklearn.datasets")
-    images, labels = load_digits()
-    assert "sklearn.datasets" not in sys.modules  # read without importing scikit-learn's datasets
-    assert images.shape == (1797, 8, 8) and (images == expected.images).all() and (labels == expected.target).all()
-    monkeypatch.setattr(project.data, "find_spec", lambda name: None)  # the file not found: ask scikit-learn
-    images, labels = load_digits()
-    assert "sklearn.datasets" in sys.modules
-    assert (images == expected.images).all() and (labels == expected.target).all()
 
 
 def test_init_has_no_side_effects_and_rejects_bad_values():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from project.data import DigitsDataModule
+from project.engine.schedule import FitScheduleToRun
 from project.module import Classifier
 from project.nets import CNN, MLP
 
@@ -24,7 +25,7 @@ def test_a_few_real_steps_reduce_the_loss(net_class, tmp_path):
     before = torch.nn.functional.cross_entropy(model(x), y).item()
     trainer = L.Trainer(
         max_epochs=3, limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[FitScheduleToRun()],
     )  # fmt: skip
     trainer.fit(model, dm)
     after = torch.nn.functional.cross_entropy(model(x), y).item()
@@ -64,7 +65,7 @@ def test_the_schedule_fits_a_run_shorter_than_its_warmup(trainer_kwargs, warmup,
 
     trainer = L.Trainer(
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, default_root_dir=tmp_path, callbacks=[RecordLR()], **trainer_kwargs,
+        limit_val_batches=0, default_root_dir=tmp_path, callbacks=[RecordLR(), FitScheduleToRun()], **trainer_kwargs,
     )  # fmt: skip
     model = Classifier(MLP(), lr=0.01, warmup=warmup)  # max_schedule None: the run's length
     trainer.fit(model, DigitsDataModule())

@@ -1,8 +1,12 @@
 """The GPU speed switches (configs/gpu.yaml) on CPU: they run, and change nothing a checkpoint records."""
 
+import lightning as L
 import pytest
 import torch
 
+from project.data import DigitsDataModule
+from project.engine.schedule import FitScheduleToRun
+from project.engine.speed import Compile, MatmulPrecision
 from project.module import Classifier
 from project.nets import MLP
 from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
@@ -10,19 +14,25 @@ from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
 pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
 
 
-def test_compile_and_matmul_precision_are_applied_in_setup_and_keep_checkpoint_keys():
+def test_compile_and_matmul_precision_are_set_for_the_run_and_keep_checkpoint_keys(tmp_path):
     before = torch.get_float32_matmul_precision()
-    try:
-        plain = Classifier(MLP())
-        fast = Classifier(MLP(), compile=True, float32_matmul_precision="medium")
-        assert fast.net._compiled_call_impl is None  # nothing happens at construction
-        fast.setup("fit")
-        assert fast.net._compiled_call_impl is not None
-        assert torch.get_float32_matmul_precision() == "medium"
-        assert list(fast.state_dict()) == list(plain.state_dict())  # no "_orig_mod." prefix
-        assert "compile" not in fast.hparams and "float32_matmul_precision" not in fast.hparams
-    finally:
-        torch.set_float32_matmul_precision(before)
+    other = "medium" if before != "medium" else "high"
+    plain, fast = Classifier(MLP()), Classifier(MLP())
+    seen = []
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.append(torch.get_float32_matmul_precision())
+
+    trainer = L.Trainer(
+        max_steps=2, limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+        callbacks=[Compile(), MatmulPrecision(other), Probe(), FitScheduleToRun()],
+    )  # fmt: skip
+    trainer.fit(fast, DigitsDataModule())
+    assert fast.net._compiled_call_impl is not None and fast.metrics["val_acc"]._compiled_call_impl is None
+    assert seen == [other] and torch.get_float32_matmul_precision() == before  # for the run only
+    assert list(fast.state_dict()) == list(plain.state_dict())  # no "_orig_mod." prefix
 
 
 @pytest.mark.long  # CI and make test-all; the GPU overlay on CPU: ~40 s

@@ -6,8 +6,9 @@ What it guarantees, and what user code does to get each guarantee:
   (config, checkpoints, logs), never into an earlier run's; with any Lightning logger or none. Nothing to do.
 - **Exact resume** (``resume``, ``user_loaders``, ``loaders``): ``fit --ckpt_path last`` continues the newest run
   bitwise equal to an uninterrupted one (weights, optimizer, LR, every rank's RNG states, the data position
-  mid-epoch), also under DDP. User code: return plain ``DataLoader``s from the ``*_dataloader`` hooks; the engine
-  puts in its samplers, as Lightning puts in its ``DistributedSampler``. What it cannot rebuild (an
+  mid-epoch, the epoch's torchmetrics states so far, kept beside the weights), also under DDP. User code: return
+  plain ``DataLoader``s from the ``*_dataloader`` hooks; the engine puts in its samplers, as Lightning puts in its
+  ``DistributedSampler``. What it cannot rebuild (an
   ``IterableDataset`` without state, your own sampler or batch sampler) is named in the start line. Draw
   randomness from torch/numpy/random's global generators, or seed it per sample.
 - **Same run in every logger** (``runs``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
@@ -19,11 +20,16 @@ What it guarantees, and what user code does to get each guarantee:
   cost next to nothing per step. Nothing to do. Each switch that changes more than the loop is named in the start
   line (``| speed: ...``) and set for the run only (``run_scope``): once ``cli_main`` returns, signal handlers,
   warning and logging filters, gc, patched classes and malloc are as they were. ``KeepFreedHostMemory`` (CPU runs
-  only) is a callback in ``configs/default.yaml``.
+  only) is a callback in ``configs/default.yaml``; ``speed.Compile`` (``torch.compile`` of the module's networks in
+  place, checkpoint keys unchanged) and ``speed.MatmulPrecision`` (TF32, put back after) are in ``configs/gpu.yaml``.
+- **An LR schedule fitted to the run** (``schedule``): ``LinearWarmupCosineAnnealingLR(optimizer, warmup_epochs,
+  max_epochs)`` returned with ``"interval": "step"`` is converted at the start of training to the run's real steps
+  per epoch (``max_epochs=None``: the whole run, a short debug run included). Nothing to do.
 - **Sharded training** (``sharded``): ``configs/fsdp.yaml`` writes checkpoints as DCP folders, one shard per rank,
   atomically and loaded without pickle; exact resume as above, resharding to any number of ranks, export to one
-  file. User code: shard in ``configure_model`` when ``self.device_mesh`` is set, and let every rank run every
-  forward (no forward on rank 0 alone).
+  file. A module without ``configure_model`` is sharded layer by layer (``fully_shard`` on each layer with
+  parameters, then each network); one with its own ``configure_model`` shards there. User code: let every rank run
+  every forward (no forward on rank 0 alone).
 - **Preemption, Ctrl-C, NaN** (``signals``, ``guards``): SIGTERM/SIGUSR1/Ctrl-C save ``last.ckpt`` and exit non-zero
   on every rank; NaN/inf gradients stop before the weights change.
 - **Exact validation under DDP** (``user_loaders``, ``loaders``): each validation/test/predict sample on exactly

@@ -35,6 +35,7 @@ from project.engine.resume import ExactResume
 from project.engine.run_folder import RunFolder, discard_if_empty
 from project.engine.run_scope import for_the_run, freeze_what_was_built
 from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point_loggers_at
+from project.engine.schedule import FitScheduleToRun
 from project.engine.sharded import ShardedStrategy as Sharded
 from project.engine.sharded import check_same_network
 from project.engine.signals import Preemption
@@ -165,13 +166,14 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
                 save_config_callback=SaveConfigOnce,
                 # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run
                 # looks finished / predict writes nothing / a dead rank ends in a traceback wall / the saves of one
-                # validation are written once each.
+                # validation are written once each / an LR schedule does not fit the run.
                 trainer_defaults={
                     "callbacks": [
                         *(ExactResume(), Preemption(), StopOnNonFinite(), RankFailures(), DestroyProcessGroup()),
                         OneFilePerPoint(),
                         PredictionWriter(),
                         UserLoaders(),
+                        FitScheduleToRun(),
                     ]
                 },
                 # The usage line, not all 60 options, above an error; --help lists them.

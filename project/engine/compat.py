@@ -92,6 +92,22 @@ def shard_over_all_ranks(strategy: Any) -> None:
         )
 
 
+@contextlib.contextmanager
+def configure_model_counted_as_overridden(module: L.LightningModule) -> Iterator[None]:
+    """``ModelParallelStrategy.setup`` refuses a module that does not override ``configure_model`` (it checks with
+    ``is_overridden`` on the instance); ``ShardedStrategy`` shards such a module itself. For the duration, the
+    instance has a ``configure_model`` of its own that does nothing; the class is untouched."""
+    module.configure_model = _already_sharded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        vars(module).pop("configure_model", None)
+
+
+def _already_sharded() -> None:
+    """Sharded by ``project.engine.sharded.shard_each_layer``."""
+
+
 def set_nested(state_dict: dict[str, Any], path: Any, value: Any) -> None:
     from torch.distributed.checkpoint._traverse import set_element
 

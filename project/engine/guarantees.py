@@ -118,6 +118,7 @@ def speed_switches(trainer: L.Trainer) -> str:
     from project.engine import host_memory, run_scope
     from project.engine.checkpoints import AtomicCheckpointIO
     from project.engine.compat import moves_skipped
+    from project.engine.speed import SpeedSwitch
 
     on = ["malloc keeps freed memory"] if host_memory.in_force else []
     on += ["heap frozen (gc)"] if run_scope.heap_frozen() else []
@@ -126,6 +127,7 @@ def speed_switches(trainer: L.Trainer) -> str:
     if isinstance(io, AtomicCheckpointIO):
         on += ["saves in the background"] if io.background else []
         on += ["no CRC-32 in checkpoints"] if not io.crc32 else []
+    on += [callback.describe() for callback in trainer.callbacks if isinstance(callback, SpeedSwitch)]
     return " | speed: " + ", ".join(on) if on else ""
 
 

@@ -1,4 +1,5 @@
-"""What a bit-exact resume needs beyond Lightning's checkpoint: every rank's RNG states, logs flushed at saves."""
+"""What a bit-exact resume needs beyond Lightning's checkpoint: every rank's RNG states, the states of the module's
+metrics mid-epoch, logs flushed at saves."""
 
 import random
 from typing import Any
@@ -8,6 +9,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from torchmetrics import Metric
 
 from project.engine.compat import reopen_an_epoch_stopped_mid_way, start_the_epoch_lightning_skipped
 from project.engine.sharded import ShardedStrategy
@@ -17,6 +19,11 @@ class ExactResume(Callback):
     """Puts in each checkpoint what Lightning leaves out and a bit-exact resume needs.
 
     - Every rank's torch, CUDA, numpy and Python RNG states, restored on resume.
+    - Every rank's states of the module's torchmetrics ``Metric``s that training has updated (an epoch's
+      ``train/acc`` so far), set again when the resumed run continues that epoch mid-way, so the epoch's value is
+      the uninterrupted run's. Kept beside the module's ``state_dict``, which stays the weights alone. Under more
+      than one rank a metric with list states (e.g. ``AUROC``'s) is not kept: its epoch value after a mid-epoch
+      resume covers the resumed part only.
     - The loggers' buffers are flushed (at each checkpoint, and once Lightning has logged that step), so no point
       logged before the checkpoint is lost if the process is killed after it (the resumed run's ``purge_step``
       drops those logged after it).
@@ -32,9 +39,14 @@ class ExactResume(Callback):
         self._to_restore: list[dict[str, torch.Tensor]] | None = None
         self._flush_before_next_batch = False
         self._epoch_started: int | None = None
+        self._metrics: dict[str, Metric] = {}
+        self._not_trained: dict[str, Metric] = {}  # not updated by a training step yet: validation's, or unused
+        self._metrics_to_restore: list[dict[str, dict[str, Any]]] | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
+        self._metrics = {name: m for name, m in pl_module.named_modules() if isinstance(m, Metric)}
+        self._not_trained = dict(self._metrics)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         _flush_loggers(trainer)
@@ -53,6 +65,9 @@ class ExactResume(Callback):
             # metrics) would be skipped and the resumed run would differ from the uninterrupted one.
             start_the_epoch_lightning_skipped(pl_module)
             self._epoch_started = trainer.current_epoch
+        metrics, self._metrics_to_restore = self._metrics_to_restore, None
+        if metrics is not None and batch_idx > 0:  # mid-epoch; a resume at an epoch's start begins it afresh
+            _set_metric_states(self._metrics, metrics[trainer.global_rank])
         # Lightning hands a step's values (and an epoch's, train/acc ...) to the loggers after the batch-end and
         # epoch-end hooks where checkpoints are saved, and a resume from that checkpoint does not log them again:
         # out before the next batch can be killed.
@@ -60,24 +75,45 @@ class ExactResume(Callback):
             _flush_loggers(trainer)
             self._flush_before_next_batch = False
 
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Validation's metrics are reset once it ends, before this hook: what is updated here, training updated.
+        # (Empty after the first steps of most modules: a few property reads per step.)
+        for name in [name for name, metric in self._not_trained.items() if metric.update_called]:
+            del self._not_trained[name]
+
     def state_dict(self) -> dict[str, Any]:
-        mine = _rng_tensors()
         trainer = self._trainer
+        trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
         if trainer is None or trainer.world_size == 1:
-            return {"ranks": [mine]}
+            return {"ranks": [_rng_tensors()], "metrics": [_metric_states(trained)]}
+        # the same metrics on every rank, so that every rank runs the same gathers
+        flags = torch.tensor([name not in self._not_trained for name in self._metrics], dtype=torch.uint8)
         device = trainer.strategy.root_device  # NCCL gathers only device tensors
+        anywhere = trainer.strategy.all_gather(flags.to(device)).cpu().amax(0).bool().tolist()
+        trained = {name: m for (name, m), keep in zip(self._metrics.items(), anywhere, strict=True) if keep}
+        trained = {name: m for name, m in trained.items() if all(map(torch.is_tensor, m.metric_state.values()))}
+        mine = {**_rng_tensors(), **{f"metric:{k}": v for k, v in _flat_metric_states(trained).items()}}
         gathered = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}
         # clone: a view would be saved with (and set_rng_state would read from) the start of the whole storage
-        return {"ranks": [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]}
+        ranks = [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]
+        rng = [{k: v for k, v in rank.items() if not k.startswith("metric:")} for rank in ranks]
+        metrics = [
+            _nest({k[len("metric:") :]: v for k, v in rank.items() if k.startswith("metric:")}) for rank in ranks
+        ]
+        return {"ranks": rng, "metrics": metrics}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._to_restore = state_dict["ranks"]
+        self._metrics_to_restore = state_dict.get("metrics")  # absent from checkpoints of earlier versions
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         ranks, self._to_restore = self._to_restore, None
         if ranks is None:
             return
         if len(ranks) != trainer.world_size:
+            self._metrics_to_restore = None  # each rank's share of an epoch's metrics belongs to its old data split
             if isinstance(trainer.strategy, ShardedStrategy):
                 return  # its "Resharded ... from N ranks to M" line said so already
             rank_zero_warn(
@@ -96,6 +132,37 @@ def _flush_loggers(trainer: L.Trainer) -> None:
             logger.save()
             if hasattr(logger.experiment, "flush"):
                 logger.experiment.flush()
+
+
+def _metric_states(metrics: dict[str, Metric]) -> dict[str, dict[str, Any]]:
+    """``{metric name: {state name: tensor, or list of tensors}}``, detached copies on the CPU."""
+
+    def copy(value: Any) -> Any:
+        return [copy(v) for v in value] if isinstance(value, list) else value.detach().cpu().clone()
+
+    return {name: {k: copy(v) for k, v in metric.metric_state.items()} for name, metric in metrics.items()}
+
+
+def _flat_metric_states(metrics: dict[str, Metric]) -> dict[str, torch.Tensor]:
+    return {f"{name}/{k}": v.detach() for name, metric in metrics.items() for k, v in metric.metric_state.items()}
+
+
+def _nest(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    nested: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in flat.items():
+        name, _, state = key.rpartition("/")
+        nested.setdefault(name, {})[state] = value
+    return nested
+
+
+def _set_metric_states(metrics: dict[str, Metric], saved: dict[str, dict[str, Any]]) -> None:
+    for name, states in saved.items():
+        metric = metrics.get(name)
+        if metric is None:  # a module whose metrics changed since the save: it starts them afresh
+            continue
+        for key, value in states.items():
+            moved = [v.to(metric.device) for v in value] if isinstance(value, list) else value.to(metric.device)
+            setattr(metric, key, moved)
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:

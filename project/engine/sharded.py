@@ -1,8 +1,9 @@
 """Sharded training (FSDP2) and its checkpoints: ``--config configs/fsdp.yaml``.
 
 ``ShardedStrategy`` is Lightning's ``ModelParallelStrategy`` (FSDP2's ``fully_shard``, applied in the module's
-``configure_model``) with the engine's checkpoint guarantees for the folders it writes (torch's distributed
-checkpoint, DCP: each rank writes its own shard, no rank gathers the whole model):
+``configure_model``, or by the strategy to each layer of a module without one: ``shard_each_layer``) with the
+engine's checkpoint guarantees for the folders it writes (torch's distributed checkpoint, DCP: each rank writes its
+own shard, no rank gathers the whole model):
 
 - **Atomic**: the shards go into ``<name>.tmp/``; once every rank has written, rank 0 renames it to ``<name>``. A
   folder without ``.metadata`` (DCP's index, written last) and ``meta.pt`` (Lightning's loops, callbacks, RNG
@@ -31,9 +32,16 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
 
 from project.engine.checkpoints import CheckpointLoadError, FilePath
-from project.engine.compat import index_for_reader, load_bytes_weights_only, shard_over_all_ranks
+from project.engine.compat import (
+    configure_model_counted_as_overridden,
+    index_for_reader,
+    load_bytes_weights_only,
+    shard_over_all_ranks,
+)
 
 META = "meta.pt"  # Lightning's name for the non-tensor part (loops, callbacks, hyperparameters)
 INDEX = ".metadata"  # DCP's index of the shards, written by the coordinator once every rank has written
@@ -189,12 +197,13 @@ class ShardedStrategy(ModelParallelStrategy):
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
-        if getattr(self.lightning_module, "evaluates_on_rank_zero", False):  # see project.engine.loaders
-            raise ValueError(
-                "--model.validation rank_zero cannot run sharded: every forward needs every rank. "
-                "Use --model.validation distributed"
-            )
-        super().setup(trainer)
+        module = self.lightning_module
+        if is_overridden("configure_model", module):  # the user's own sharding, already applied by Lightning
+            super().setup(trainer)
+            return
+        shard_each_layer(module, self.device_mesh["data_parallel"])
+        with configure_model_counted_as_overridden(module):
+            super().setup(trainer)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: FilePath, storage_options: Any | None = None
@@ -261,6 +270,27 @@ class ShardedStrategy(ModelParallelStrategy):
                 "original run"
             )
         return meta
+
+
+def shard_each_layer(module: nn.Module, mesh: Any) -> None:
+    """FSDP2 as Lightning's docs apply it in ``configure_model``: ``fully_shard`` on each layer that holds
+    parameters of its own, then on each of the module's networks (its children with parameters), so that each
+    layer's weights are gathered only for its own forward and backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:  # unsharded, FSDP would neither gather nor reduce them: wrong gradients, silently
+        raise ValueError(
+            f"{type(module).__name__} holds parameters outside its submodules ({', '.join(own)}), which the "
+            "sharded strategy does not shard: shard them in the module's configure_model"
+        )
+    for net in module.children():
+        if not any(True for _ in net.parameters()):  # e.g. torchmetrics metrics: buffers only
+            continue
+        for layer in net.modules():
+            if layer is not net and any(True for _ in layer.parameters(recurse=False)):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
 
 
 def full_state_dict(path: FilePath, prefix: str = "state_dict.") -> dict[str, torch.Tensor]:
