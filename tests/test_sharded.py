@@ -52,8 +52,10 @@ def test_sharded_checkpoints_are_complete_folders_one_shard_per_rank(reference):
     for folder in folders:
         assert {p.name for p in folder.iterdir()} == SHARD_FILES, folder
     assert read_global_step(run / "checkpoints" / "last.ckpt") == 8
-    # `--ckpt_path best` reads the score of each folder from its meta.pt: the highest acc in the names
-    best = max((f for f in folders if f.name.startswith("best-")), key=lambda f: float(f.stem.rsplit("acc", 1)[1]))
+    # `--ckpt_path best` reads the score of each folder from its meta.pt; the oracle: the val/acc TensorBoard logged
+    # at each folder's step (best-epochNNN-stepS; Lightning logs an epoch's values at the step before: S - 1)
+    acc = dict(scalars(run)["val/acc"])
+    best = max((f for f in folders if f.name.startswith("best-")), key=lambda f: acc[int(f.stem.split("step")[1]) - 1])
     assert best_checkpoint(run)[0].path == best
     # each rank wrote half of every weight matrix: the shard files are about the same size
     sizes = [(run / "checkpoints" / "last.ckpt" / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
