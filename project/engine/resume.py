@@ -7,10 +7,13 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 
-from project.engine.compat import reopen_an_epoch_stopped_mid_way, start_the_epoch_lightning_skipped
-from project.engine.sharded import ShardedStrategy
+from project.engine.compat import (
+    reopen_an_epoch_stopped_mid_way,
+    rescale_batch_progress,
+    start_the_epoch_lightning_skipped,
+)
+from project.engine.elastic import Shape, has_batch_norm
 
 
 class ExactResume(Callback):
@@ -25,11 +28,20 @@ class ExactResume(Callback):
     generators) differ after a resume. ``state_dict`` runs on every rank while a checkpoint is assembled, so the
     states are gathered there; rank 0 writes them all. They are set again in ``on_train_start``: after model
     init, the sanity check and the data setup (which all draw or may draw), right before the first batch.
+
+    It also saves the run's shape (ranks, per-device batch, accumulation; ``project.engine.elastic``): a resume on
+    another number of ranks keeps the global batch (``elastic.global_batch`` sets ``elastic_note``, ``resized``),
+    rewrites the loop's micro-batch counts here, and ``notes`` says what cannot follow to the start line.
     """
 
     def __init__(self) -> None:
         self._trainer: L.Trainer | None = None
         self._to_restore: list[dict[str, torch.Tensor]] | None = None
+        self.shape: Shape | None = None  # this run's, set where its train loader is built
+        self.saved_shape: Shape | None = None  # the checkpoint's
+        self.saved_world: int | None = None  # ranks whose RNG states the checkpoint holds
+        self.elastic_note: str | None = None
+        self.resized: tuple[int, int] | None = None  # samples of one micro-batch over all ranks: checkpoint's, now
         self._flush_before_next_batch = False
         self._epoch_started: int | None = None
 
@@ -63,28 +75,43 @@ class ExactResume(Callback):
     def state_dict(self) -> dict[str, Any]:
         mine = _rng_tensors()
         trainer = self._trainer
+        shape = {"shape": self.shape.as_dict()} if self.shape is not None else {}
         if trainer is None or trainer.world_size == 1:
-            return {"ranks": [mine]}
+            return {"ranks": [mine], **shape}
         device = trainer.strategy.root_device  # NCCL gathers only device tensors
         gathered = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}
         # clone: a view would be saved with (and set_rng_state would read from) the start of the whole storage
-        return {"ranks": [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]}
+        ranks = [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]
+        return {"ranks": ranks, **shape}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._to_restore = state_dict["ranks"]
+        self.saved_world = len(state_dict["ranks"])
+        self.saved_shape = Shape(**state_dict["shape"]) if "shape" in state_dict else None
+
+    def notes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
+        """What of the original run a resume on another number of ranks cannot continue, for the start line."""
+        out = []
+        if self.saved_world is not None and self.saved_world != trainer.world_size:
+            out.append(
+                f"the checkpoint holds the random streams of {self.saved_world} rank(s), this run has "
+                f"{trainer.world_size}: draws from a rank's generators (dropout, augmentation) differ from the "
+                "original run from here on; randomness seeded per sample from (seed, epoch, index) follows"
+            )
+        if self.resized is not None and self.resized[0] != self.resized[1] and has_batch_norm(pl_module):
+            before, after = self.resized
+            out.append(
+                f"BatchNorm: its statistics now come from micro-batches of {after} samples over all ranks "
+                f"({before} before), so the run continues close to, not equal to, the original"
+            )
+        return out
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.resized is not None and self.resized[0] != self.resized[1]:
+            rescale_batch_progress(trainer, *self.resized)
         ranks, self._to_restore = self._to_restore, None
-        if ranks is None:
-            return
-        if len(ranks) != trainer.world_size:
-            if isinstance(trainer.strategy, ShardedStrategy):
-                return  # its "Resharded ... from N ranks to M" line said so already
-            rank_zero_warn(
-                f"The checkpoint holds RNG states of {len(ranks)} ranks, this run has {trainer.world_size}: "
-                "random draws (dropout, augmentation) will differ from the original run from here on."
-            )
-            return
+        if ranks is None or len(ranks) != trainer.world_size:
+            return  # another number of ranks: the start line says what does not follow
         _set_rng_tensors(ranks[trainer.global_rank])
 
 
