@@ -57,7 +57,7 @@ def global_batch(trainer: L.Trainer, batch_size: int) -> int:
     if saved is not None and saved != now:
         now = _keep(saved, now)
         if now.accumulate != trainer.accumulate_grad_batches:
-            how = f"accumulate_grad_batches {trainer.accumulate_grad_batches} -> {now.accumulate} keeps"
+            how = f"accumulate_grad_batches {trainer.accumulate_grad_batches} -> {now.accumulate} keeps the"
             trainer.accumulate_grad_batches = now.accumulate
         else:
             how = "the same"
