@@ -70,7 +70,10 @@ def resumed_on_other_ranks(cwd: Path, first: list[str], then: list[str], kill: i
     (the first run's before ``kill``, the resumed run's from it), the final checkpoint and the resumed run's output."""
     proc = cli("fit", *ARGS, *first, *kill_at(kill), "--model.record", str(cwd / "a"), cwd=cwd, check=False)
     assert proc.returncode != 0, proc.stderr[-2000:]
-    assert last(cwd)["global_step"] == kill and kill % STEPS_PER_EPOCH, "precondition: a mid-epoch checkpoint"
+    saved = last(cwd)
+    assert saved["global_step"] == kill, "precondition: the checkpoint of the step before the kill"
+    at_end = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"]
+    assert at_end == (kill % STEPS_PER_EPOCH == 0), "precondition: mid-epoch, or at an epoch's last batch end"
     before = record(cwd / "a")
     assert sorted(before) == list(range(kill)), sorted(before)
     resumed = cli("fit", *ARGS, *then, "--ckpt_path", "last", "--model.record", str(cwd / "b"), cwd=cwd)
@@ -110,6 +113,15 @@ def test_a_two_rank_run_killed_mid_epoch_continues_on_one_rank_with_the_same_glo
     line = next(x for x in out.splitlines() if x.startswith("Run "))
     assert "elastic: 2 -> 1 rank(s): accumulate_grad_batches 1 -> 2 keeps the global batch of 8 samples" in line
     assert "random streams of 2 rank(s)" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_a_two_rank_run_killed_at_an_epoch_end_continues_on_one_rank_with_the_same_global_batches(
+    uninterrupted, tmp_path
+):
+    steps, final, _, _ = resumed_on_other_ranks(tmp_path, DDP2, ONE, kill=STEPS_PER_EPOCH)
+    assert_same_run(steps, final, uninterrupted)
 
 
 @pytest.mark.slow
