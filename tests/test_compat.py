@@ -557,3 +557,27 @@ def test_model_parallel_setup_checks_configure_model_on_the_instance_and_the_shi
     with configure_model_counted_as_overridden(module):
         assert is_overridden("configure_model", module)
     assert not is_overridden("configure_model", module) and "configure_model" not in vars(module)
+
+
+def test_fit_loop_epoch_loop_batch_progress_counts_micro_batches_rescaled_for_another_shape():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loops.progress import _BatchProgress
+
+    from project.engine.compat import LightningChanged, rescale_batch_progress
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    assert isinstance(progress, _BatchProgress)
+    # a save at the end of a rank's 5th micro-batch of 8 samples over 2 ranks (13 in all): counted ready, not completed
+    for tracker, n in ((progress.current, 5), (progress.total, 13)):
+        tracker.ready = tracker.started = tracker.processed = n
+        tracker.completed = n - 1
+    rescale_batch_progress(trainer, 8, 4)  # 1 rank of 4: twice the micro-batches
+    assert (progress.current.ready, progress.current.processed, progress.current.completed) == (10, 10, 9)
+    assert (progress.total.started, progress.total.completed) == (26, 25)
+    with pytest.raises(ValueError, match="not a whole number of micro-batches of 16"):
+        rescale_batch_progress(trainer, 4, 16)  # 10 x 4 samples are not whole micro-batches of 16
+    gone = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
+    with pytest.raises(LightningChanged, match=r"batch_progress.*Lightning \d"):
+        rescale_batch_progress(gone, 8, 4)

@@ -72,7 +72,8 @@ def test_loader_state_resumes_on_the_next_batch():
     it = iter(interrupted)
     head = [next(it)[0].tolist() for _ in range(3)]
     state = interrupted.state_dict()
-    assert state == {"epoch": 2, "batches": 3, "seed": 1}  # the seed too: a resumed run may have another
+    # the seed too: a resumed run may have another; the samples all ranks consumed: a resume on other ranks
+    assert state == {"epoch": 2, "batches": 3, "seed": 1, "samples": 24}
     resumed = loader()
     resumed.load_state_dict(state)
     assert head + [x.tolist() for x, _ in resumed] == expected

@@ -47,9 +47,10 @@ CASES = {
         ["--trainer.max_epochs", "-1", "--trainer.max_time", "00:00:00:02"],
         lambda t, p, d: t.global_step > 0 and (d / "checkpoints" / "last.ckpt").is_file(),
     ),
-    "accumulate_grad_batches 3": (  # 20 batches: 7 optimizer steps an epoch (the last one after 2 batches)
+    # 20 batches padded to 21 (the global batch, 3 batches, is the padding's unit): 7 whole optimizer steps an epoch
+    "accumulate_grad_batches 3": (
         ["--trainer.accumulate_grad_batches", "3"],
-        lambda t, p, d: t.global_step == 14 and per_epoch(p) == [20, 20],
+        lambda t, p, d: t.global_step == 14 and per_epoch(p) == [21, 21],
     ),
     "val_check_interval 0.5": (["--trainer.val_check_interval", "0.5"], lambda t, p, d: p.val_runs == 4),
     "val_check_interval 10": (["--trainer.val_check_interval", "10"], lambda t, p, d: p.val_runs == 4),

@@ -118,11 +118,17 @@ def test_each_kind_of_sampler_is_replaced_by_one_that_draws_from_seed_and_epoch(
 
     first = epoch(0, 0)
     assert epoch(0, 0) == first  # a pure function of (seed, epoch)
+    # padded to a multiple of the global batch (4 here) by the order's first indices, whatever the number of ranks
+    size = {"subset": 15, "weighted": 25}.get(kind, 30)
+    assert len(first) % 4 == 0 and first[size:] == first[: len(first) - size]
+    first, padding = first[:size], first[size:]
     if kind == "sequential":
-        assert first == list(range(30)) == epoch(0, 1)
+        assert first == list(range(30)) and first + padding == epoch(0, 1)
         return
-    assert epoch(0, 1) != first
-    assert (epoch(1, 0) != first) == (kind != "distributed")  # the user's DistributedSampler keeps its own seed
+    assert epoch(0, 1)[: len(first)] != first
+    assert (epoch(1, 0)[: len(first)] != first) == (
+        kind != "distributed"
+    )  # the user's DistributedSampler keeps its own seed
     if kind == "subset":
         assert sorted(first) == list(range(5, 20))
     elif kind == "weighted":
@@ -144,7 +150,8 @@ def test_a_resume_keeps_the_seed_its_run_drew_the_order_with(monkeypatch):
     monkeypatch.setenv("PL_GLOBAL_SEED", "6")  # seed_everything: true draws another seed for the resumed run
     resumed, _ = engine_loader(DataLoader(data, batch_size=4, shuffle=True), trainer, "train")
     resumed.load_state_dict(state)
-    expected = torch.randperm(30, generator=torch.Generator().manual_seed(5)).split(4)
+    order = torch.randperm(30, generator=torch.Generator().manual_seed(5))
+    expected = torch.cat([order, order[:2]]).split(4)  # padded to the global batch of 4
     assert head + [b.tolist() for (b,) in resumed] == [b.tolist() for b in expected]
 
 

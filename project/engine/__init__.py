@@ -11,6 +11,12 @@ What it guarantees, and what user code does to get each guarantee:
   ``DistributedSampler``. What it cannot rebuild (an
   ``IterableDataset`` without state, your own sampler or batch sampler) is named in the start line. Draw
   randomness from torch/numpy/random's global generators, or seed it per sample.
+- **Elastic resume** (``elastic``, ``loaders``, ``resume``): ``fit --ckpt_path last --trainer.devices M`` continues
+  a run of N ranks with the same samples in the same global batches, the same optimizer steps, LR and
+  ``global_step``, within float-reduction noise: the epoch's order does not depend on the number of ranks (padded
+  to a multiple of the global batch), and the engine keeps the global batch by ``accumulate_grad_batches``, or
+  stops in one line naming the settings that would keep it. What cannot follow (each rank's random streams,
+  BatchNorm statistics over another micro-batch) is named in the start line. User code: as for exact resume.
 - **Same run in every logger** (``runs``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
   each step once. Nothing to do; an unknown logger class is named at start.
 - **Checkpoints that survive a kill** (``checkpoints``): written by atomic rename in the background, loaded with

@@ -25,6 +25,9 @@ on a Lightning version where one changed.
   ``project.engine.run_scope`` and put back after; Lightning issue #20388).
 - The fit loop's saved counters (``loops.fit_loop``: ``epoch_loop.batch_progress``, ``epoch_progress``), rewritten
   when a fit stopped mid-epoch (``reopen_an_epoch_stopped_mid_way``, ``project.engine.resume``).
+- The fit loop's live micro-batch counters (``fit_loop.epoch_loop.batch_progress``: ``current`` and ``total``, each
+  ``ready``/``started``/``processed``/``completed``), rescaled on a resume on another number of ranks
+  (``rescale_batch_progress``, ``project.engine.resume``).
 - ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume from an epoch's last batch end
   (``start_the_epoch_lightning_skipped``, ``project.engine.resume``).
 - ``ModelCheckpoint.file_exists`` replaced on an instance, so that a save still being written counts as a file
@@ -254,6 +257,32 @@ def reopen_an_epoch_stopped_mid_way(checkpoint: dict) -> None:
             counts["processed"] -= 1
             counts["completed"] -= 1
         checkpoint["epoch"] = current["completed"]
+
+
+COUNTS = ("ready", "started", "processed", "completed")
+
+
+def rescale_batch_progress(trainer: L.Trainer, before: int, after: int) -> None:
+    """Rewrites the fit loop's micro-batch counters, restored from a checkpoint whose micro-batches held ``before``
+    samples over all ranks, to micro-batches of ``after`` samples: each rank then counts the batches it would have
+    run had the run had this shape from the start (the loop decides from them where the epoch and each accumulation
+    end). Offsets between the counts (a save at a batch end counts that batch ready, not completed) are kept. Call it
+    after the loops are restored and before the epoch loop resets (``on_train_start``)."""
+    try:
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        trackers = {"current": progress.current, "total": progress.total}
+        counts = {name: {c: int(getattr(t, c)) for c in COUNTS} for name, t in trackers.items()}
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop.batch_progress has no {error.name}") from None
+    for name, tracker in trackers.items():
+        samples = counts[name]["processed"] * before
+        if samples % after:
+            raise ValueError(
+                f"the checkpoint was taken after {samples} samples ({name} count of the fit loop), not a whole number "
+                f"of micro-batches of {after} samples over all ranks: resume it on a shape whose micro-batch divides it"
+            )
+        for count in COUNTS:
+            setattr(tracker, count, samples // after + counts[name][count] - counts[name]["processed"])
 
 
 def start_the_epoch_lightning_skipped(pl_module: L.LightningModule) -> None:

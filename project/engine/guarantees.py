@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import CombinedLoader
 
 from project.engine.loaders import ResumableDataLoader, ResumableSampler
+from project.engine.resume import ExactResume
 from project.engine.runs import RunPlan
 from project.engine.user_loaders import UserLoaders, saves_its_state
 
@@ -92,6 +93,8 @@ class Guarantees(Callback):
         elif any(isinstance(dl, ResumableDataLoader) and type(dl.sampler) is not ResumableSampler for dl in loaders):
             out.append("overfit_batches: a mid-epoch resume loads the consumed batches again to skip them")
         out += notes.get("val", [])  # built by now unless the sanity check is off
+        resume = next((c for c in trainer.callbacks if isinstance(c, ExactResume)), None)
+        out += resume.notes(trainer, trainer.lightning_module) if resume is not None else []
         if not torch.are_deterministic_algorithms_enabled() and trainer.strategy.root_device.type == "cuda":
             out.append("deterministic is off: nondeterministic CUDA kernels, so a resume is close, not bitwise equal")
         elif torch.is_deterministic_algorithms_warn_only_enabled() and trainer.strategy.root_device.type == "cuda":
@@ -105,8 +108,9 @@ class Guarantees(Callback):
             f"logger {name}: unknown to the engine, a resume starts a new run in it" for name in self.unknown_loggers
         ]
         exact = "yes, also mid-epoch" if not out else "see opts out"
+        elastic = f" | elastic: {resume.elastic_note}" if resume is not None and resume.elastic_note else ""
         line = (
-            f"Run {trainer.default_root_dir} ({start}) | {self._ranks(trainer)} | exact resume: {exact}"
+            f"Run {trainer.default_root_dir} ({start}) | {self._ranks(trainer)} | exact resume: {exact}{elastic}"
             f" | logs: {self._logs(trainer)}"
         )
         return line + (" | opts out: " + "; ".join(out) if out else "") + speed_switches(trainer)

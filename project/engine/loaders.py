@@ -19,13 +19,20 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from project.engine.elastic import global_batch
+
 
 class ResumableSampler(DistributedSampler):
     """Indices of one rank, in an order that is a pure function of ``(seed, epoch)``.
 
-    ``pad=True`` (training) repeats a few indices so all ranks get the same number of samples, as
-    ``DistributedSampler`` does. ``pad=False`` (evaluation) gives each index to exactly one rank, so metrics
-    reduced across ranks equal the single-process value; ranks may then run different numbers of batches.
+    The epoch's order is drawn over the whole data set whatever the number of ranks, and rank ``r`` of ``W`` takes
+    ``order[r::W]``: the samples of the ``k``-th global batch of ``G`` samples are ``order[k*G:(k+1)*G]`` on any
+    number of ranks that keeps ``G`` (elastic determinism, ``project.engine.elastic``).
+    ``pad=True`` (training) repeats the first indices of the order until its length is a multiple of
+    ``global_batch`` (samples per optimizer step over all ranks; default ``num_replicas``), so all ranks get the
+    same number of full batches and the padding does not depend on the number of ranks. ``pad=False`` (evaluation)
+    gives each index to exactly one rank, so metrics reduced across ranks equal the single-process value; ranks may
+    then run different numbers of batches.
     ``source``: a sampler whose kind of draw is kept (``RandomSampler`` with or without replacement,
     ``SubsetRandomSampler``, ``WeightedRandomSampler``), drawn from a generator seeded with ``seed + epoch`` instead
     of its own; ``None``: a permutation of the dataset when ``shuffle``, else its order.
@@ -43,14 +50,19 @@ class ResumableSampler(DistributedSampler):
         *,
         source: Sampler | None = None,
         drop_last: bool = False,
+        global_batch: int | None = None,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self.pad, self.source = pad, source
+        multiple = global_batch or num_replicas
+        if multiple % num_replicas:
+            raise ValueError(f"global_batch ({multiple}) must be a multiple of the number of ranks ({num_replicas})")
+        self.pad, self.source, self.multiple = pad, source, multiple
         total = len(source) if isinstance(source, _DRAWS) else len(dataset)  # type: ignore[arg-type]
         if drop_last:
             self.num_samples = total // num_replicas
         else:
-            self.num_samples = math.ceil(total / num_replicas) if pad else len(range(rank, total, num_replicas))
+            padded = math.ceil(total / multiple) * multiple
+            self.num_samples = padded // num_replicas if pad else len(range(rank, total, num_replicas))
         self.skip = 0  # samples of the current epoch already consumed before a resume
 
     def __iter__(self) -> Iterator[int]:
@@ -58,8 +70,9 @@ class ResumableSampler(DistributedSampler):
         total, world = len(order), self.num_replicas
         if self.drop_last:
             order = order[: total - total % world]
-        elif self.pad and total % world:
-            order = torch.cat([order, order[: world - total % world]])
+        elif self.pad and total % self.multiple:
+            short = self.multiple - total % self.multiple  # may exceed the order's length on a tiny data set
+            order = torch.cat([order, order.repeat(-(-short // total))[:short]])
         mine = order[self.rank :: world][self.skip :]
         self.skip = 0
         return iter(mine.tolist())
@@ -95,7 +108,8 @@ class ResumableDataLoader(DataLoader):
     out or was cut short by ``limit_train_batches``) resumes with the next epoch. With a ``ResumableSampler`` the
     skipped samples are never loaded; with another sampler (``overfit_batches`` swaps in a ``SequentialSampler``)
     they are loaded and dropped. The ``generator`` is re-seeded per epoch so that the workers' base seed never draws
-    from, and never shifts, the global RNG that dropout uses.
+    from, and never shifts, the global RNG that dropout uses. Under a ``ResumableSampler`` the position is also saved
+    as ``samples``, what all ranks consumed of the epoch: a resume on another number of ranks continues from it.
     """
 
     _restore: tuple[int, int] | None = None  # (epoch, batches) from a checkpoint, applied when that epoch starts
@@ -120,10 +134,21 @@ class ResumableDataLoader(DataLoader):
         state = {"epoch": getattr(self, "_epoch", 0), "batches": getattr(self, "_yielded", 0)}
         if isinstance(self.sampler, ResumableSampler):
             state["seed"] = self.sampler.seed
+            state["samples"] = state["batches"] * (self.batch_size or 1) * self.sampler.num_replicas
         return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._restore = (state["epoch"], state["batches"])
+        batches = state["batches"]
+        if isinstance(self.sampler, ResumableSampler) and "samples" in state:
+            per_step = (self.batch_size or 1) * self.sampler.num_replicas  # samples of one batch over all ranks
+            if state["samples"] % per_step:
+                raise ValueError(
+                    f"the checkpoint was taken after {state['samples']} samples of epoch {state['epoch']}, not a "
+                    f"whole number of batches of {self.batch_size or 1} on {self.sampler.num_replicas} rank(s): resume "
+                    "it with a batch size and number of ranks whose product divides that count"
+                )
+            batches = state["samples"] // per_step
+        self._restore = (state["epoch"], batches)
         if isinstance(self.sampler, ResumableSampler):
             self.sampler.set_epoch(state["epoch"])  # Lightning sets the epoch it resumes in before iterating
             # the run's seed may be another one now (``seed_everything: true`` draws one per run): keep the order
@@ -166,8 +191,11 @@ def make_loader(
     # Under sharding every forward gathers each layer's weights from all ranks, so every rank must run as many
     # evaluation batches as the others: the set is padded like the training set (a few samples count twice).
     sharded = trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy)
-    sampler = ResumableSampler(dataset, world, rank, shuffle=train, seed=seed, pad=train or sharded)
     batch_size = kwargs.get("batch_size", 1)
+    per_step = global_batch(trainer, batch_size or 1) if train and trainer is not None else None
+    sampler = ResumableSampler(
+        dataset, world, rank, shuffle=train, seed=seed, pad=train or sharded, global_batch=per_step
+    )
     if train and batch_size is not None and batch_size > sampler.num_samples:
         share = f"{sampler.num_samples} samples" + (f" per rank on {world} ranks" if world > 1 else "")
         raise ValueError(

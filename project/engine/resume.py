@@ -8,10 +8,14 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import Metric
 
-from project.engine.compat import reopen_an_epoch_stopped_mid_way, start_the_epoch_lightning_skipped
+from project.engine.compat import (
+    reopen_an_epoch_stopped_mid_way,
+    rescale_batch_progress,
+    start_the_epoch_lightning_skipped,
+)
+from project.engine.elastic import Shape, has_batch_norm
 from project.engine.sharded import ShardedStrategy
 
 
@@ -32,11 +36,20 @@ class ExactResume(Callback):
     generators) differ after a resume. ``state_dict`` runs on every rank while a checkpoint is assembled, so the
     states are gathered there; rank 0 writes them all. They are set again in ``on_train_start``: after model
     init, the sanity check and the data setup (which all draw or may draw), right before the first batch.
+
+    It also saves the run's shape (ranks, per-device batch, accumulation; ``project.engine.elastic``): a resume on
+    another number of ranks keeps the global batch (``elastic.global_batch`` sets ``elastic_note``, ``resized``),
+    rewrites the loop's micro-batch counts here, and ``notes`` says what cannot follow to the start line.
     """
 
     def __init__(self) -> None:
         self._trainer: L.Trainer | None = None
         self._to_restore: list[dict[str, torch.Tensor]] | None = None
+        self.shape: Shape | None = None  # this run's, set where its train loader is built
+        self.saved_shape: Shape | None = None  # the checkpoint's
+        self.saved_world: int | None = None  # ranks whose RNG states the checkpoint holds
+        self.elastic_note: str | None = None
+        self.resized: tuple[int, int] | None = None  # samples of one micro-batch over all ranks: checkpoint's, now
         self._flush_before_next_batch = False
         self._epoch_started: int | None = None
         self._metrics: dict[str, Metric] = {}
@@ -85,9 +98,10 @@ class ExactResume(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
+        shape = {"shape": self.shape.as_dict()} if self.shape is not None else {}
         trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
         if trainer is None or trainer.world_size == 1:
-            return {"ranks": [_rng_tensors()], "metrics": [_metric_states(trained)]}
+            return {"ranks": [_rng_tensors()], "metrics": [_metric_states(trained)], **shape}
         # the same metrics on every rank, so that every rank runs the same gathers
         flags = torch.tensor([name not in self._not_trained for name in self._metrics], dtype=torch.uint8)
         device = trainer.strategy.root_device  # NCCL gathers only device tensors
@@ -102,24 +116,41 @@ class ExactResume(Callback):
         metrics = [
             _nest({k[len("metric:") :]: v for k, v in rank.items() if k.startswith("metric:")}) for rank in ranks
         ]
-        return {"ranks": rng, "metrics": metrics}
+        return {"ranks": rng, "metrics": metrics, **shape}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._to_restore = state_dict["ranks"]
         self._metrics_to_restore = state_dict.get("metrics")  # absent from checkpoints of earlier versions
+        self.saved_world = len(state_dict["ranks"])
+        self.saved_shape = Shape(**state_dict["shape"]) if "shape" in state_dict else None
+
+    def notes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
+        """What of the original run a resume on another number of ranks cannot continue, for the start line."""
+        out = []
+        # (under sharding its "Resharded ... from N ranks to M" line says so already)
+        resharded = isinstance(trainer.strategy, ShardedStrategy)
+        if self.saved_world is not None and self.saved_world != trainer.world_size and not resharded:
+            out.append(
+                f"the checkpoint holds the random streams of {self.saved_world} rank(s), this run has "
+                f"{trainer.world_size}: draws from a rank's generators (dropout, augmentation) differ from the "
+                "original run from here on; randomness seeded per sample from (seed, epoch, index) follows"
+            )
+        if self.resized is not None and self.resized[0] != self.resized[1] and has_batch_norm(pl_module):
+            before, after = self.resized
+            out.append(
+                f"BatchNorm: its statistics now come from micro-batches of {after} samples over all ranks "
+                f"({before} before), so the run continues close to, not equal to, the original"
+            )
+        return out
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.resized is not None and self.resized[0] != self.resized[1]:
+            rescale_batch_progress(trainer, *self.resized)
         ranks, self._to_restore = self._to_restore, None
         if ranks is None:
             return
-        if len(ranks) != trainer.world_size:
+        if len(ranks) != trainer.world_size:  # another number of ranks: the start line says what does not follow
             self._metrics_to_restore = None  # each rank's share of an epoch's metrics belongs to its old data split
-            if isinstance(trainer.strategy, ShardedStrategy):
-                return  # its "Resharded ... from N ranks to M" line said so already
-            rank_zero_warn(
-                f"The checkpoint holds RNG states of {len(ranks)} ranks, this run has {trainer.world_size}: "
-                "random draws (dropout, augmentation) will differ from the original run from here on."
-            )
             return
         _set_rng_tensors(ranks[trainer.global_rank])
 

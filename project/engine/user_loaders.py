@@ -23,6 +23,7 @@ from torch.utils.data import (
 )
 
 from project.engine.compat import loader_with_sampler, uses_distributed_sampler
+from project.engine.elastic import global_batch
 from project.engine.loaders import ResumableDataLoader, ResumableSampler, check_eval_share
 
 HOOKS = {f"{split}_dataloader": split for split in ("train", "val", "test", "predict")}
@@ -99,8 +100,18 @@ def engine_loader(loader: Any, trainer: L.Trainer, split: str) -> tuple[Any, str
     if not train:
         check_eval_share(len(loader.dataset), world)  # type: ignore[arg-type]
     source = None if isinstance(sampler, (SequentialSampler, DistributedSampler)) else sampler
+    # the samples of one optimizer step over all ranks: the padding's unit, kept on a resume on other ranks
+    per_step = global_batch(trainer, loader.batch_size or 1) if train and split_by_lightning else None
     resumable = ResumableSampler(
-        loader.dataset, world, rank, shuffle, seed, pad=train or sharded, source=source, drop_last=drop_last
+        loader.dataset,
+        world,
+        rank,
+        shuffle,
+        seed,
+        pad=train or sharded,
+        source=source,
+        drop_last=drop_last,
+        global_batch=per_step,
     )
     rebuilt = loader_with_sampler(loader, resumable)
     if train:
