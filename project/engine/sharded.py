@@ -266,8 +266,7 @@ class ShardedStrategy(ModelParallelStrategy):
         if saved_ranks != self.world_size:
             rank_zero_info(
                 f"Resharded {path.name} from {saved_ranks} ranks to {self.world_size}: weights and optimizer state "
-                "are exact; random draws (dropout) and the data order of the rest of the epoch differ from the "
-                "original run"
+                "are exact; random draws from a rank's generators (dropout) differ from the original run"
             )
         return meta
 
