@@ -53,7 +53,13 @@ HOST_VALUE_OPS = {
 COPY_OPS = {aten._to_copy.default, aten.copy_.default}
 # (path fragment, source), by priority: the first that any frame of the stack at the op matches names the source
 # (torchmetrics called from module.py is torchmetrics'; module.py called from Lightning's loop is module.py's)
-HOST_CODE = (("/torch/optim/", "host: optimizer step counters"), ("/torch/utils/data/", "host: sampler"))
+HOST_CODE = (
+    ("/torch/optim/", "host: optimizer step counters"),
+    ("/torch/utils/data/", "host: sampler"),
+    # copies the engine staged into host memory steps before (pinned, non-blocking on a GPU): read without waiting
+    ("/project/engine/guards.py:_read_staged", "host: staged copies"),
+    ("/project/engine/compat.py:_staged_bar_values", "host: staged copies"),
+)
 SOURCES = (
     ("/torchmetrics/", "torchmetrics"),
     ("/lightning/pytorch/callbacks/progress/", "lightning: progress bar"),
@@ -76,6 +82,7 @@ class SyncCounter(TorchDispatchMode):
         super().__init__()
         self.counting, self.thread = counting, threading.get_ident()
         self.by_source: Counter[str] = Counter()
+        self.where: Counter[str] = Counter()  # source: the innermost frame outside torch, file:line
         self.stalls = 0  # syncs with device work queued since the previous one: the ones a GPU makes the host wait at
         self.work_since_sync = True
 
@@ -85,8 +92,9 @@ class SyncCounter(TorchDispatchMode):
         if threading.get_ident() != self.thread or not self.counting():
             return out
         if func in HOST_VALUE_OPS or (func in COPY_OPS and _device_to_host(func, args, kwargs, out)):
-            source = _source()
+            source, owner = _source()
             self.by_source[source] += 1
+            self.where[f"{source}: {owner}"] += 1
             if source not in HOST_ONLY:
                 self.stalls += self.work_since_sync
                 self.work_since_sync = False
@@ -102,24 +110,37 @@ def _device_to_host(func, args, kwargs, out) -> bool:  # type: ignore[no-untyped
     return src.device.type != "cpu" and dst.device.type == "cpu" and blocking
 
 
-def _source() -> str:
-    files, frame = [], sys._getframe(2)
+def _source() -> tuple[str, str]:
+    """The source of the op being dispatched, and the code that read the value: the innermost frame outside torch's
+    own Python (tensor methods, this mode), as ``path:line`` from its package on."""
+    files, lines, frame = [], [], sys._getframe(2)
     while frame is not None:
-        files.append(frame.f_code.co_filename.replace(os.sep, "/"))
+        files.append(f"{frame.f_code.co_filename.replace(os.sep, '/')}:{frame.f_code.co_name}")
+        lines.append(frame.f_lineno)
         frame = frame.f_back
-    # the code that read the value: the innermost frame outside torch's own Python (tensor methods, this mode)
-    owner = next((f for f in files if "/torch/" not in f or any(h in f for h, _ in HOST_CODE)), "")
+    i = next((i for i, f in enumerate(files) if "/torch/" not in f or any(h in f for h, _ in HOST_CODE)), 0)
+    path, function = files[i].rsplit(":", 1)
+    owner = f"{path.rsplit('site-packages/', 1)[-1].removeprefix(str(REPO) + '/')}:{lines[i]} ({function})"
     for fragment, source in HOST_CODE:
-        if fragment in owner:
-            return source
+        if fragment in files[i]:
+            return source, owner
     for fragment, source in SOURCES:
         if any(fragment in f for f in files):
-            return source
-    return "other"
+            return source, owner
+    return "other", owner
 
 
 def _write(out: Path, counter: SyncCounter, steps: int) -> None:
-    out.write_text(json.dumps({"steps": steps, "by_source": dict(counter.by_source), "stalls": counter.stalls}))
+    out.write_text(
+        json.dumps(
+            {
+                "steps": steps,
+                "by_source": dict(counter.by_source),
+                "stalls": counter.stalls,
+                "where": dict(counter.where),
+            }
+        )
+    )
 
 
 if __name__ != "__main__":
@@ -209,6 +230,8 @@ def table(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         host = {s: n / steps for s, n in r["by_source"].items() if s in HOST_ONLY}
         total = sum(syncs.values())
         rows[side] = {"steps": steps, "syncs_per_step": total, "stalls_per_step": r["stalls"] / steps}
+        where = {w: n / steps for w, n in sorted(r["where"].items(), key=lambda kv: -kv[1])}
+        rows[side]["where"] = where
         rows[side] |= {
             "steps_per_sync": steps / sum(n for s, n in r["by_source"].items() if s not in HOST_ONLY)
             if total
@@ -246,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=4, help="epochs of each run (default: 4)")
     parser.add_argument("--hidden", type=int, help="width of every hidden layer (default: the config's)")
     parser.add_argument("--sides", default=",".join(SIDES), help="which sides, comma-separated (default: all)")
+    parser.add_argument("--where", action="store_true", help="also list the lines that read each value")
     parser.add_argument("--json", type=Path, help="also write the table to this file")
     parser.add_argument(
         "--template-arg",
@@ -270,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
             results[side] = run_side(side, spec, Path(tmp) / side, args.template_arg)
     rows = table(results)
     print_table(rows, spec)
+    if args.where:
+        for side, row in rows.items():
+            print(f"\n{side}: per optimizer step, by the line that read the value")
+            for where, n in row["where"].items():
+                print(f"  {n:8.3f}  {where}")
     summary = {"spec": spec, "template_args": args.template_arg, "sides": rows}
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
