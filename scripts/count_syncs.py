@@ -11,7 +11,9 @@ They are counted on any machine, CPU included, by a ``TorchDispatchMode`` that s
 non-CPU device to the CPU. The Python stack at the op names its source (innermost frame that is not torch's own).
 
 Counted: the main thread, from ``on_train_start`` to ``on_train_end`` (the hand loop: its whole loop), while the
-model is in training mode, so validation is left out; per optimizer step. Reads of tensors that live on the host
+model is in training mode, so validation is left out; per optimizer step. The steps (each batch, with the logging
+and bar updates after it) are split by source; the epoch ends (epoch metrics, checkpoint decisions after
+validation), one burst an epoch whatever the step count, are one figure apart. Reads of tensors that live on the host
 on a GPU as well are not syncs and are shown apart, not counted: the optimizer's ``step`` counters
 (``torch/optim``, AdamW without ``capturable``/``fused``) and the samplers' random draws (``torch/utils/data``).
 
@@ -21,6 +23,7 @@ line of the output is the table as JSON.
 """
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -65,8 +68,8 @@ SOURCES = (
     ("/lightning/pytorch/callbacks/progress/", "lightning: progress bar"),
     ("/lightning/pytorch/trainer/connectors/logger_connector/", "lightning: logging"),
     ("/lightning/pytorch/loggers/", "lightning: logging"),
-    ("/lightning/pytorch/callbacks/", "lightning: other callbacks"),
     ("/project/engine/", "engine"),
+    ("/lightning/pytorch/callbacks/", "lightning: other callbacks"),
     ("/project/module.py", "module.py"),
     ("/scripts/benchmark", "the script's own code"),
     ("/project/", "project: other"),
@@ -78,9 +81,10 @@ HOST_ONLY = tuple(source for _, source in HOST_CODE)
 class SyncCounter(TorchDispatchMode):
     """Counts the ops that read a device value on the host, by source, on the thread that installed it."""
 
-    def __init__(self, counting: Callable[[], bool]) -> None:
+    def __init__(self, counting: Callable[[], bool], phase: Callable[[], str]) -> None:
         super().__init__()
-        self.counting, self.thread = counting, threading.get_ident()
+        self.counting, self.phase, self.thread = counting, phase, threading.get_ident()
+        self.epoch_end = 0  # syncs outside the steps: epoch-end metrics, checkpoint decisions after validation
         self.by_source: Counter[str] = Counter()
         self.where: Counter[str] = Counter()  # source: the innermost frame outside torch, file:line
         self.stalls = 0  # syncs with device work queued since the previous one: the ones a GPU makes the host wait at
@@ -93,6 +97,9 @@ class SyncCounter(TorchDispatchMode):
             return out
         if func in HOST_VALUE_OPS or (func in COPY_OPS and _device_to_host(func, args, kwargs, out)):
             source, owner = _source()
+            if self.phase() == "epoch end":
+                self.epoch_end += source not in HOST_ONLY
+                return out
             self.by_source[source] += 1
             self.where[f"{source}: {owner}"] += 1
             if source not in HOST_ONLY:
@@ -137,6 +144,7 @@ def _write(out: Path, counter: SyncCounter, steps: int) -> None:
                 "steps": steps,
                 "by_source": dict(counter.by_source),
                 "stalls": counter.stalls,
+                "epoch_end": counter.epoch_end,
                 "where": dict(counter.where),
             }
         )
@@ -157,9 +165,15 @@ if __name__ != "__main__":
             self.out = Path(out)
 
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            self.first_step = trainer.global_step
-            self.mode = SyncCounter(lambda: pl_module.training and not trainer.sanity_checking)
+            self.first_step, self.phase = trainer.global_step, "step"
+            self.mode = SyncCounter(lambda: pl_module.training and not trainer.sanity_checking, lambda: self.phase)
             self.mode.__enter__()
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.phase = "step"  # the batch, and after it Lightning's logging and bar
+
+        def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.phase = "epoch end"  # the module's epoch-end hook runs after the callbacks'; then validation
 
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             self.mode.__exit__(None, None, None)
@@ -168,6 +182,9 @@ if __name__ != "__main__":
 
 def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str]) -> None:
     sys.path.insert(0, str(REPO / "scripts"))
+    if spec.get("fused"):  # every side's AdamW fused, as `torch.optim.AdamW(..., fused=True)` in its code would be
+        adamw = torch.optim.AdamW
+        torch.optim.AdamW = lambda *args, **kwargs: adamw(*args, **{**kwargs, "fused": True})  # type: ignore[misc]
     if side == "hand":
         import benchmark
 
@@ -181,8 +198,18 @@ def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str])
                 built.append(self)
 
         result = out.with_name("hand_result.json")
+        lines, first = inspect.getsourcelines(benchmark.hand_written)
+        loop = next(first + i for i, line in enumerate(lines) if "enumerate(tqdm(train_loader" in line)
+        end = next(first + i for i, line in enumerate(lines) if '"train/loss_epoch"' in line)
+
+        def phase() -> str:  # the batch loop's lines are the steps; after it, the epoch's end
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code is not benchmark.hand_written.__code__:
+                frame = frame.f_back
+            return "step" if frame is not None and loop <= frame.f_lineno < end else "epoch end"
+
         with unittest.mock.patch.object(nets, "MLP", RecordedMLP):
-            mode = SyncCounter(lambda: bool(built) and built[0].training)
+            mode = SyncCounter(lambda: bool(built) and built[0].training, phase)
             with mode:
                 benchmark.hand_written(spec, result)
         _write(out, mode, json.loads(result.read_text())["steps"])
@@ -230,6 +257,7 @@ def table(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         host = {s: n / steps for s, n in r["by_source"].items() if s in HOST_ONLY}
         total = sum(syncs.values())
         rows[side] = {"steps": steps, "syncs_per_step": total, "stalls_per_step": r["stalls"] / steps}
+        rows[side]["epoch_end_per_step"] = r["epoch_end"] / steps
         where = {w: n / steps for w, n in sorted(r["where"].items(), key=lambda kv: -kv[1])}
         rows[side]["where"] = where
         rows[side] |= {
@@ -255,6 +283,8 @@ def print_table(rows: dict[str, Any], spec: dict[str, Any]) -> None:
     every = [f"{r['steps_per_sync']:.1f}" if r["steps_per_sync"] else "never" for r in rows.values()]
     print(f"{'optimizer steps per sync':<32}" + "".join(f"{e:>15}" for e in every))
     print(f"{'stalls / step (1st of a burst)':<32}" + "".join(f"{r['stalls_per_step']:>15.3f}" for r in rows.values()))
+    ends = "".join(f"{r['epoch_end_per_step']:>15.3f}" for r in rows.values())
+    print(f"{'epoch ends, per step (apart)':<32}" + ends)
     print(f"{'optimizer steps counted':<32}" + "".join(f"{r['steps']:>15}" for r in rows.values()))
     host = sorted({s for r in rows.values() for s in r["host_only"]})
     for source in host:
@@ -269,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=4, help="epochs of each run (default: 4)")
     parser.add_argument("--hidden", type=int, help="width of every hidden layer (default: the config's)")
     parser.add_argument("--sides", default=",".join(SIDES), help="which sides, comma-separated (default: all)")
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="every side's AdamW fused (skips a step on the device: the NaN guard's "
+        "host read then comes every 50 steps)",
+    )
     parser.add_argument("--where", action="store_true", help="also list the lines that read each value")
     parser.add_argument("--json", type=Path, help="also write the table to this file")
     parser.add_argument(
@@ -288,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     import benchmark
 
     spec = benchmark.make_spec(argparse.Namespace(epochs=args.epochs, hidden=args.hidden, batch_size=None))
+    spec["fused"] = args.fused
     results = {}
     with tempfile.TemporaryDirectory(prefix="count-syncs-") as tmp:
         for side in args.sides.split(","):

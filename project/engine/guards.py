@@ -8,6 +8,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from project.engine.compat import skips_steps_on_device
 from project.engine.signals import last_checkpoint_path
 
 READ_EVERY = 50  # optimizer steps between two host reads of the flag, where the optimizer can skip steps itself
@@ -68,7 +69,7 @@ class StopOnNonFinite(Callback):
             self.first_bad = torch.full((), -1, dtype=torch.int64, device=total.device)
         bad_now = ~torch.isfinite(total) & (self.first_bad < 0)
         self.first_bad.copy_(torch.where(bad_now, step, self.first_bad))
-        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        if not skips_steps_on_device(optimizer):
             self._stop_if_bad(trainer, self.first_bad.item())  # this step would change the weights: read now
             return
         found_inf = getattr(optimizer, "found_inf", None)
