@@ -309,8 +309,11 @@ def make_spec(args: argparse.Namespace) -> dict[str, Any]:
     config = yaml.safe_load(path.read_text())
     expected = {"model": Classifier, "data": DigitsDataModule}
     for key, cls in expected.items():
+        if isinstance(config[key], str):  # the class alone (`model: project.module.Classifier`): its own defaults
+            config[key] = {"class_path": config[key]}
         if config[key]["class_path"] != f"{cls.__module__}.{cls.__name__}":
             raise SystemExit(f"the hand-written side only knows {cls.__name__} as {key}: {path} changed it")
+    config["model"].setdefault("init_args", {}).setdefault("net", {"class_path": "project.nets.MLP"})
     if config["model"]["init_args"]["net"]["class_path"] != "project.nets.MLP":
         raise SystemExit(f"the hand-written side only knows project.nets.MLP as the net: {path} changed it")
 

@@ -581,3 +581,55 @@ def test_fit_loop_epoch_loop_batch_progress_counts_micro_batches_rescaled_for_an
     gone = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
     with pytest.raises(LightningChanged, match=r"batch_progress.*Lightning \d"):
         rescale_batch_progress(gone, 8, 4)
+
+
+def test_bar_values_are_converted_at_every_batch_end_and_read_from_staged_copies_instead():
+    """Lightning's ``_ResultCollection.metrics`` converts each ``prog_bar`` value with the module-level
+    ``convert_tensors_to_scalars`` of ``result.py`` (a sync per value and step on a GPU), and bars read
+    ``_LoggerConnector.progress_bar_metrics``: what ``read_bar_values_without_waiting`` replaces. A Lightning that
+    no longer converts there fails here and the patch can go."""
+    import inspect
+
+    from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
+
+    from project.engine.compat import _staged_bar_values, read_bar_values_without_waiting
+
+    assert "convert_tensors_to_scalars(value)" in inspect.getsource(result._ResultCollection.metrics), (
+        "_ResultCollection.metrics no longer converts prog_bar values: drop compat.read_bar_values_without_waiting"
+    )
+    convert, prop = result.convert_tensors_to_scalars, logger_connector._LoggerConnector.progress_bar_metrics
+    undo = read_bar_values_without_waiting()
+    try:
+        assert read_bar_values_without_waiting()() is None  # twice is once: the second's undo does nothing
+        results = result._ResultCollection(training=True)
+        results.log("training_step", "loss", torch.tensor(2.0), on_step=True, on_epoch=False, prog_bar=True)
+        pbar = results.metrics(on_step=True)["pbar"]
+        assert isinstance(pbar["loss"], torch.Tensor), "still converted at every batch end"
+        assert logger_connector._LoggerConnector.progress_bar_metrics.fget.staged
+        staged: dict = {}  # what a bar's reads show: host copies from the read before
+        assert _staged_bar_values(staged, {"loss": torch.tensor(2.0), "v_num": 3}) == {"loss": 2.0, "v_num": 3}
+        assert _staged_bar_values(staged, {"loss": torch.tensor(5.0)}) == {"loss": 2.0}  # one read late
+        assert _staged_bar_values(staged, {"loss": torch.tensor(7.0)}) == {"loss": 5.0}
+    finally:
+        undo()
+    assert (
+        result.convert_tensors_to_scalars is convert and logger_connector._LoggerConnector.progress_bar_metrics is prop
+    )
+
+
+def test_fused_adamw_skips_its_step_on_the_device_while_found_inf_is_set():
+    """``compat.skips_steps_on_device`` (torch's ``_step_supports_amp_scaling``) and the skip it stands for: weights,
+    moments and step counts of a fused AdamW stay bit-equal under ``found_inf = 1``; a plain AdamW has no skip."""
+    from project.engine.compat import skips_steps_on_device
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    assert skips_steps_on_device(optimizer) and not skips_steps_on_device(torch.optim.AdamW([weight]))
+    weight.grad = torch.ones(3)
+    optimizer.step()
+    before = (weight.detach().clone(), {k: v.clone() for k, v in optimizer.state[weight].items()})
+    optimizer.found_inf = torch.ones(())
+    weight.grad = torch.full((3,), float("nan"))
+    optimizer.step()
+    assert torch.equal(weight.detach(), before[0])
+    assert all(torch.equal(v, before[1][k]) for k, v in optimizer.state[weight].items())

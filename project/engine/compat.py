@@ -23,6 +23,13 @@ on a Lightning version where one changed.
 - ``_ResultMetric.to``, called by ``_ResultCollection.log`` at every ``self.log``: replaced by one that skips the
   move when the values are already on the device (``skip_moves_already_done``, installed for a run by
   ``project.engine.run_scope`` and put back after; Lightning issue #20388).
+- ``_ResultCollection.metrics``' conversion of ``prog_bar`` values (``result.convert_tensors_to_scalars``) and
+  ``_LoggerConnector.progress_bar_metrics``: the values stay tensors until a bar reads them, then come from host
+  copies staged at its previous read (``read_bar_values_without_waiting``, installed for a run by
+  ``project.engine.run_scope``).
+- torch's ``Optimizer._step_supports_amp_scaling``: the optimizer's step takes GradScaler's ``found_inf`` and skips
+  itself on the device when it is set (fused ``Adam``/``AdamW``/``SGD``...; ``skips_steps_on_device``,
+  ``project.engine.guards``).
 - The fit loop's saved counters (``loops.fit_loop``: ``epoch_loop.batch_progress``, ``epoch_progress``), rewritten
   when a fit stopped mid-epoch (``reopen_an_epoch_stopped_mid_way``, ``project.engine.resume``).
 - The fit loop's live micro-batch counters (``fit_loop.epoch_loop.batch_progress``: ``current`` and ``total``, each
@@ -233,6 +240,69 @@ def _values_on(result: Any, device: torch.device) -> bool:
     if result._modules or result._parameters or result._buffers:  # children this does not know
         return False
     return result.is_tensor or result.value.device == device
+
+
+def skips_steps_on_device(optimizer: Any) -> bool:
+    """Whether ``optimizer.step`` reads ``optimizer.found_inf`` and leaves everything as it was while it is 1."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def read_bar_values_without_waiting() -> Callable[[], None]:
+    """Makes ``prog_bar`` values reach the host only when a bar reads them, without waiting; returns the undo.
+
+    Lightning converts every ``prog_bar=True`` value to a float at every batch end (``_ResultCollection.metrics``,
+    called by ``_LoggerConnector.on_batch_end``), whatever the bar's refresh rate: a host-device sync per value and
+    step on a GPU. Here the values stay tensors, and ``trainer.progress_bar_metrics`` (what bars read at a refresh)
+    returns floats from host copies started at its previous read (non-blocking, into pinned memory on a GPU): a
+    bar shows each value one refresh late and never makes the host wait; a key's first read waits once.
+    """
+    from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
+
+    connector = logger_connector._LoggerConnector
+    read = connector.progress_bar_metrics
+    if getattr(read.fget, "staged", False):
+        return lambda: None
+    convert = result.convert_tensors_to_scalars
+
+    def keep(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            return convert(value)  # Lightning's error for a value that is no scalar
+        return value.detach() if isinstance(value, torch.Tensor) else convert(value)
+
+    def progress_bar_metrics(self: Any) -> dict[str, Any]:
+        return _staged_bar_values(self.__dict__.setdefault("_staged_bar_values", {}), read.fget(self))
+
+    progress_bar_metrics.staged = True  # type: ignore[attr-defined]
+    result.convert_tensors_to_scalars = keep
+    connector.progress_bar_metrics = property(progress_bar_metrics)
+
+    def undo() -> None:
+        if result.convert_tensors_to_scalars is keep:
+            result.convert_tensors_to_scalars = convert
+        if getattr(connector.__dict__.get("progress_bar_metrics"), "fget", None) is progress_bar_metrics:
+            connector.progress_bar_metrics = read
+
+    return undo
+
+
+def _staged_bar_values(staged: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` with each tensor replaced by the float its copy staged at the previous call holds."""
+    shown = {}
+    for key, value in metrics.items():
+        if not isinstance(value, torch.Tensor):
+            shown[key] = value
+            continue
+        host, event = staged.get(key, (None, None))
+        if host is None or (event is not None and not event.query()):
+            host, event = value.detach().to("cpu"), None  # the first read of this key (or a copy not done): waits
+        shown[key] = host.item()  # a host tensor
+        cuda = value.is_cuda
+        copy = torch.empty(value.shape, dtype=value.dtype, pin_memory=cuda).copy_(value.detach(), non_blocking=cuda)
+        event = torch.cuda.Event() if cuda else None
+        if event is not None:
+            event.record()
+        staged[key] = (copy, event)
+    return shown
 
 
 def reopen_an_epoch_stopped_mid_way(checkpoint: dict) -> None:

@@ -6,6 +6,8 @@
 - the heap frozen out of the garbage collector's full passes (``gc.freeze``), unfrozen after; left alone when the
   caller had frozen objects of its own (no way to unfreeze only ours);
 - ``self.log``'s skipped moves (``compat.skip_moves_already_done``), Lightning's own ``_ResultMetric.to`` after;
+- progress-bar values read at a bar's refresh, from host copies (``compat.read_bar_values_without_waiting``),
+  Lightning's conversion at every batch end after;
 - the SIGINT, SIGTERM and SIGUSR1 handlers (``project.engine.signals``, Lightning's), the caller's again after.
 
 ``KeepFreedHostMemory`` (``project.engine.host_memory``), a callback, undoes its malloc setting itself; the
@@ -19,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from project.engine.compat import skip_moves_already_done
+from project.engine.compat import read_bar_values_without_waiting, skip_moves_already_done
 from project.engine.console import quiet_console
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
@@ -35,15 +37,17 @@ def for_the_run() -> Iterator[None]:
     # pass cost 0.22 s of start-up here, more came during training, and the one at exit 1.2 s. Objects frozen now
     # are left out of those passes (the few dozen that are already garbage are kept); later ones are collected.
     freeze = not _freezing and gc.get_freeze_count() == 0
-    undo_moves = lambda: None  # noqa: E731
+    undo_moves = undo_bar = lambda: None
     try:
         with quiet_console():
             if freeze:
                 _freezing = True
                 gc.freeze()
             undo_moves = skip_moves_already_done()  # each self.log no longer walks its stored result (0.28 ms)
+            undo_bar = read_bar_values_without_waiting()  # no device sync per prog_bar value and step
             yield
     finally:
+        undo_bar()
         undo_moves()
         if freeze:
             gc.unfreeze()

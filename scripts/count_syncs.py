@@ -1,0 +1,347 @@
+"""Host-device syncs per optimizer step of the three sides of scripts/benchmark.py, split by where they come from.
+
+    python scripts/count_syncs.py                     # 4 epochs of the default config, on CPU
+    python scripts/count_syncs.py --epochs 10 --json out.json [--template-arg=--trainer.log_every_n_steps=1]
+
+On a GPU every read of a device value on the host (``.item()``, ``bool(t)``, ``float(t)``, a blocking copy to the
+host, an op whose output shape depends on the data) makes the CPU wait for the GPU to finish all it was given.
+They are counted on any machine, CPU included, by a ``TorchDispatchMode`` that sees each op before it runs:
+``aten._local_scalar_dense`` (what ``.item()``, ``bool()`` and ``float()`` end in), ``aten.is_nonzero``,
+``aten.equal``, the ops of data-dependent shape (``nonzero``, ``masked_select``, ``unique``...), and copies from a
+non-CPU device to the CPU. The Python stack at the op names its source (innermost frame that is not torch's own).
+
+Counted: the main thread, from ``on_train_start`` to ``on_train_end`` (the hand loop: its whole loop), while the
+model is in training mode, so validation is left out; per optimizer step. The steps (each batch, with the logging
+and bar updates after it) are split by source; the epoch ends (epoch metrics, checkpoint decisions after
+validation), one burst an epoch whatever the step count, are one figure apart. Reads of tensors that live on the host
+on a GPU as well are not syncs and are shown apart, not counted: the optimizer's ``step`` counters
+(``torch/optim``, AdamW without ``capturable``/``fused``) and the samplers' random draws (``torch/utils/data``).
+
+Each side runs in a fresh interpreter (``--worker``), as in scripts/benchmark.py: (a) the hand-written loop, (b)
+plain Lightning (scripts/benchmark_lightning.py), (c) ``python -m project fit`` with the default config. The last
+line of the output is the table as JSON.
+"""
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import unittest.mock
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parent.parent
+SIDES = ("hand", "lightning", "template")
+aten = torch.ops.aten
+# ops whose result the host must see: a scalar read, or an output whose size depends on the values
+HOST_VALUE_OPS = {
+    aten._local_scalar_dense.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor,
+}
+COPY_OPS = {aten._to_copy.default, aten.copy_.default}
+# (path fragment, source), by priority: the first that any frame of the stack at the op matches names the source
+# (torchmetrics called from module.py is torchmetrics'; module.py called from Lightning's loop is module.py's)
+HOST_CODE = (
+    ("/torch/optim/", "host: optimizer step counters"),
+    ("/torch/utils/data/", "host: sampler"),
+    # copies the engine staged into host memory steps before (pinned, non-blocking on a GPU): read without waiting
+    ("/project/engine/guards.py:_read_staged", "host: staged copies"),
+    ("/project/engine/compat.py:_staged_bar_values", "host: staged copies"),
+)
+SOURCES = (
+    ("/torchmetrics/", "torchmetrics"),
+    ("/lightning/pytorch/callbacks/progress/", "lightning: progress bar"),
+    ("/lightning/pytorch/trainer/connectors/logger_connector/", "lightning: logging"),
+    ("/lightning/pytorch/loggers/", "lightning: logging"),
+    ("/project/engine/", "engine"),
+    ("/lightning/pytorch/callbacks/", "lightning: other callbacks"),
+    ("/project/module.py", "module.py"),
+    ("/scripts/benchmark", "the script's own code"),
+    ("/project/", "project: other"),
+    ("/lightning/", "lightning: loop"),
+)
+HOST_ONLY = tuple(source for _, source in HOST_CODE)
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the ops that read a device value on the host, by source, on the thread that installed it."""
+
+    def __init__(self, counting: Callable[[], bool], phase: Callable[[], str]) -> None:
+        super().__init__()
+        self.counting, self.phase, self.thread = counting, phase, threading.get_ident()
+        self.epoch_end = 0  # syncs outside the steps: epoch-end metrics, checkpoint decisions after validation
+        self.by_source: Counter[str] = Counter()
+        self.where: Counter[str] = Counter()  # source: the innermost frame outside torch, file:line
+        self.stalls = 0  # syncs with device work queued since the previous one: the ones a GPU makes the host wait at
+        self.work_since_sync = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if threading.get_ident() != self.thread or not self.counting():
+            return out
+        if func in HOST_VALUE_OPS or (func in COPY_OPS and _device_to_host(func, args, kwargs, out)):
+            source, owner = _source()
+            if self.phase() == "epoch end":
+                self.epoch_end += source not in HOST_ONLY
+                return out
+            self.by_source[source] += 1
+            self.where[f"{source}: {owner}"] += 1
+            if source not in HOST_ONLY:
+                self.stalls += self.work_since_sync
+                self.work_since_sync = False
+        else:
+            self.work_since_sync = True
+        return out
+
+
+def _device_to_host(func, args, kwargs, out) -> bool:  # type: ignore[no-untyped-def]
+    src = args[1] if func is aten.copy_.default else args[0]
+    dst = args[0] if func is aten.copy_.default else out
+    blocking = not kwargs.get("non_blocking", args[2] if func is aten.copy_.default and len(args) > 2 else False)
+    return src.device.type != "cpu" and dst.device.type == "cpu" and blocking
+
+
+def _source() -> tuple[str, str]:
+    """The source of the op being dispatched, and the code that read the value: the innermost frame outside torch's
+    own Python (tensor methods, this mode), as ``path:line`` from its package on."""
+    files, lines, frame = [], [], sys._getframe(2)
+    while frame is not None:
+        files.append(f"{frame.f_code.co_filename.replace(os.sep, '/')}:{frame.f_code.co_name}")
+        lines.append(frame.f_lineno)
+        frame = frame.f_back
+    i = next((i for i, f in enumerate(files) if "/torch/" not in f or any(h in f for h, _ in HOST_CODE)), 0)
+    path, function = files[i].rsplit(":", 1)
+    owner = f"{path.rsplit('site-packages/', 1)[-1].removeprefix(str(REPO) + '/')}:{lines[i]} ({function})"
+    for fragment, source in HOST_CODE:
+        if fragment in files[i]:
+            return source, owner
+    for fragment, source in SOURCES:
+        if any(fragment in f for f in files):
+            return source, owner
+    return "other", owner
+
+
+def _write(out: Path, counter: SyncCounter, steps: int) -> None:
+    out.write_text(
+        json.dumps(
+            {
+                "steps": steps,
+                "by_source": dict(counter.by_source),
+                "stalls": counter.stalls,
+                "epoch_end": counter.epoch_end,
+                "where": dict(counter.where),
+            }
+        )
+    )
+
+
+if __name__ != "__main__":
+    import lightning as L
+
+    class CountSyncs(L.Callback):
+        """Installs a ``SyncCounter`` over training (validation left out) and writes its counts at the end.
+
+        Args:
+            out: JSON file the counts and the number of optimizer steps are written to.
+        """
+
+        def __init__(self, out: str) -> None:
+            self.out = Path(out)
+
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.first_step, self.phase = trainer.global_step, "step"
+            self.mode = SyncCounter(lambda: pl_module.training and not trainer.sanity_checking, lambda: self.phase)
+            self.mode.__enter__()
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.phase = "step"  # the batch, and after it Lightning's logging and bar
+
+        def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.phase = "epoch end"  # the module's epoch-end hook runs after the callbacks'; then validation
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.mode.__exit__(None, None, None)
+            _write(self.out, self.mode, trainer.global_step - self.first_step)
+
+
+def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str]) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    if spec.get("fused"):  # every side's AdamW fused, as `torch.optim.AdamW(..., fused=True)` in its code would be
+        adamw = torch.optim.AdamW
+        torch.optim.AdamW = lambda *args, **kwargs: adamw(*args, **{**kwargs, "fused": True})  # type: ignore[misc]
+    if side == "hand":
+        import benchmark
+
+        from project import nets
+
+        built: list[torch.nn.Module] = []
+
+        class RecordedMLP(nets.MLP):  # the hand loop's net, to tell its training from its validation (eval mode)
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                built.append(self)
+
+        result = out.with_name("hand_result.json")
+        lines, first = inspect.getsourcelines(benchmark.hand_written)
+        loop = next(first + i for i, line in enumerate(lines) if "enumerate(tqdm(train_loader" in line)
+        end = next(first + i for i, line in enumerate(lines) if '"train/loss_epoch"' in line)
+
+        def phase() -> str:  # the batch loop's lines are the steps; after it, the epoch's end
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code is not benchmark.hand_written.__code__:
+                frame = frame.f_back
+            return "step" if frame is not None and loop <= frame.f_lineno < end else "epoch end"
+
+        with unittest.mock.patch.object(nets, "MLP", RecordedMLP):
+            mode = SyncCounter(lambda: bool(built) and built[0].training, phase)
+            with mode:
+                benchmark.hand_written(spec, result)
+        _write(out, mode, json.loads(result.read_text())["steps"])
+        return
+    counter = {"class_path": "count_syncs.CountSyncs", "init_args": {"out": str(out)}}
+    if side == "lightning":
+        import benchmark_lightning
+        import count_syncs  # this file as a module: CountSyncs is defined there
+
+        trainer_class = benchmark_lightning.L.Trainer
+
+        def with_counter(*args: Any, callbacks: list, **kwargs: Any) -> Any:
+            return trainer_class(*args, callbacks=[*callbacks, count_syncs.CountSyncs(str(out))], **kwargs)
+
+        with unittest.mock.patch.object(benchmark_lightning.L, "Trainer", with_counter):
+            benchmark_lightning.main(out.with_name("timer.json"), spec)
+        return
+    from project.engine.cli import cli_main
+
+    args = ["fit", "--trainer.max_epochs", str(spec["epochs"]), "--run.root", str(out.parent / "runs")]
+    cli_main([*args, *template_args, f"--trainer.callbacks+={json.dumps(counter)}"])
+
+
+def run_side(side: str, spec: dict[str, Any], workdir: Path, template_args: list[str]) -> dict[str, Any]:
+    workdir.mkdir(parents=True)
+    out = workdir / "syncs.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, str(out), json.dumps(spec)]
+    cmd += [f"--template-arg={a}" for a in template_args]
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO), str(REPO / "scripts")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore"}
+    with open(workdir / "output.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0 or not out.is_file():
+        tail = (workdir / "output.log").read_text()[-5000:]
+        raise SystemExit(f"the {side} run exited {proc.returncode}: {' '.join(cmd)}\n{tail}")
+    return json.loads(out.read_text())
+
+
+def table(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per optimizer step, by source; the host-only reads apart."""
+    rows: dict[str, Any] = {}
+    for side, r in results.items():
+        steps = r["steps"]
+        syncs = {s: n / steps for s, n in r["by_source"].items() if s not in HOST_ONLY}
+        host = {s: n / steps for s, n in r["by_source"].items() if s in HOST_ONLY}
+        total = sum(syncs.values())
+        rows[side] = {"steps": steps, "syncs_per_step": total, "stalls_per_step": r["stalls"] / steps}
+        rows[side]["epoch_end_per_step"] = r["epoch_end"] / steps
+        where = {w: n / steps for w, n in sorted(r["where"].items(), key=lambda kv: -kv[1])}
+        rows[side]["where"] = where
+        rows[side] |= {
+            "steps_per_sync": steps / sum(n for s, n in r["by_source"].items() if s not in HOST_ONLY)
+            if total
+            else None,
+            "by_source": syncs,
+            "host_only": host,
+        }
+    return rows
+
+
+def print_table(rows: dict[str, Any], spec: dict[str, Any]) -> None:
+    sources = sorted({s for r in rows.values() for s in r["by_source"]})
+    print(
+        f"\nHost-device syncs per optimizer step, training only (MLP {spec['hidden_sizes']}, {spec['epochs']} epochs)"
+    )
+    labels = {"hand": "(a) hand", "lightning": "(b) lightning", "template": "(c) template"}
+    print(f"{'':<32}" + "".join(f"{labels[s]:>15}" for s in rows))
+    for source in sources:
+        print(f"{'  ' + source:<32}" + "".join(f"{r['by_source'].get(source, 0):>15.3f}" for r in rows.values()))
+    print(f"{'total syncs / step':<32}" + "".join(f"{r['syncs_per_step']:>15.3f}" for r in rows.values()))
+    every = [f"{r['steps_per_sync']:.1f}" if r["steps_per_sync"] else "never" for r in rows.values()]
+    print(f"{'optimizer steps per sync':<32}" + "".join(f"{e:>15}" for e in every))
+    print(f"{'stalls / step (1st of a burst)':<32}" + "".join(f"{r['stalls_per_step']:>15.3f}" for r in rows.values()))
+    ends = "".join(f"{r['epoch_end_per_step']:>15.3f}" for r in rows.values())
+    print(f"{'epoch ends, per step (apart)':<32}" + ends)
+    print(f"{'optimizer steps counted':<32}" + "".join(f"{r['steps']:>15}" for r in rows.values()))
+    host = sorted({s for r in rows.values() for s in r["host_only"]})
+    for source in host:
+        print(
+            f"{'  not a sync: ' + source[6:]:<32}"
+            + "".join(f"{r['host_only'].get(source, 0):>15.3f}" for r in rows.values())
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=4, help="epochs of each run (default: 4)")
+    parser.add_argument("--hidden", type=int, help="width of every hidden layer (default: the config's)")
+    parser.add_argument("--sides", default=",".join(SIDES), help="which sides, comma-separated (default: all)")
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="every side's AdamW fused (skips a step on the device: the NaN guard's "
+        "host read then comes every 50 steps)",
+    )
+    parser.add_argument("--where", action="store_true", help="also list the lines that read each value")
+    parser.add_argument("--json", type=Path, help="also write the table to this file")
+    parser.add_argument(
+        "--template-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument to the template's CLI, repeatable",
+    )
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        side, out, spec = args.worker
+        worker(side, Path(out), json.loads(spec), args.template_arg)
+        return 0
+    sys.path.insert(0, str(REPO / "scripts"))
+    import benchmark
+
+    spec = benchmark.make_spec(argparse.Namespace(epochs=args.epochs, hidden=args.hidden, batch_size=None))
+    spec["fused"] = args.fused
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="count-syncs-") as tmp:
+        for side in args.sides.split(","):
+            results[side] = run_side(side, spec, Path(tmp) / side, args.template_arg)
+    rows = table(results)
+    print_table(rows, spec)
+    if args.where:
+        for side, row in rows.items():
+            print(f"\n{side}: per optimizer step, by the line that read the value")
+            for where, n in row["where"].items():
+                print(f"  {n:8.3f}  {where}")
+    summary = {"spec": spec, "template_args": args.template_arg, "sides": rows}
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
