@@ -1,4 +1,5 @@
-"""What a bit-exact resume needs beyond Lightning's checkpoint: every rank's RNG states, logs flushed at saves."""
+"""What a bit-exact resume needs beyond Lightning's checkpoint: every rank's RNG states, a fixed number of compute
+threads, logs flushed at saves."""
 
 import random
 from typing import Any
@@ -14,6 +15,11 @@ class ExactResume(Callback):
     """Puts in each checkpoint what Lightning leaves out and a bit-exact resume needs.
 
     - Every rank's torch, CUDA, numpy and Python RNG states, restored on resume.
+    - The number of CPU compute threads, fixed for the run and checked on resume. A CPU matmul splits its sums
+      over the threads it runs on, so the same step on 1 and on 2 threads differs in the last bits (here: the
+      last layer's weight gradient, from the first step on). Until ``torch.set_num_threads`` is called, MKL may
+      also run a call on fewer threads than asked (MKL_DYNAMIC; ``MKL_VERBOSE=1`` prints ``Dyn:1``); setting the
+      count PyTorch already uses turns that off (``Dyn:0``) and changes nothing else.
     - The loggers' buffers are flushed (at each checkpoint, and once Lightning has logged that step), so no point
       logged before the checkpoint is lost if the process is killed after it (the resumed run's ``purge_step``
       drops those logged after it).
@@ -29,9 +35,12 @@ class ExactResume(Callback):
         self._to_restore: list[dict[str, torch.Tensor]] | None = None
         self._flush_before_next_batch = False
         self._epoch_started: int | None = None
+        self._threads_saved: int | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
+        # The count stays as it is; MKL stops choosing its own (mkl_set_dynamic(false), which PyTorch cannot undo).
+        torch.set_num_threads(torch.get_num_threads())
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         _flush_loggers(trainer)
@@ -60,17 +69,27 @@ class ExactResume(Callback):
     def state_dict(self) -> dict[str, Any]:
         mine = _rng_tensors()
         trainer = self._trainer
+        threads = torch.get_num_threads()
         if trainer is None or trainer.world_size == 1:
-            return {"ranks": [mine]}
+            return {"ranks": [mine], "threads": threads}
         device = trainer.strategy.root_device  # NCCL gathers only device tensors
         gathered = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}
         # clone: a view would be saved with (and set_rng_state would read from) the start of the whole storage
-        return {"ranks": [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]}
+        ranks = [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]
+        return {"ranks": ranks, "threads": threads}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._to_restore = state_dict["ranks"]
+        self._threads_saved = state_dict.get("threads")  # absent from checkpoints written before it was saved
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        saved, self._threads_saved = self._threads_saved, None
+        if saved is not None and saved != torch.get_num_threads() and trainer.strategy.root_device.type == "cpu":
+            rank_zero_warn(
+                f"The checkpoint was written by a run computing on {saved} CPU thread(s), this one uses "
+                f"{torch.get_num_threads()}: CPU results will differ from the original run's in the last bits. "
+                f"For a bit-exact resume, run with OMP_NUM_THREADS={saved} on a machine with that many cores."
+            )
         ranks, self._to_restore = self._to_restore, None
         if ranks is None:
             return
