@@ -83,10 +83,11 @@ def test_ctrl_c_under_ddp_saves_last_and_leaves_no_process_behind(tmp_path):
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
+        # Training is under way past epoch 1, whatever the load: its every-2-epochs checkpoint is on disk.
         deadline = time.monotonic() + 120
-        while not list((tmp_path / "runs").rglob("*.ckpt")) and time.monotonic() < deadline:  # epoch 0's
+        while not list((tmp_path / "runs").rglob("epoch001.ckpt")) and time.monotonic() < deadline:
             time.sleep(0.2)
-        time.sleep(1.0)  # somewhere in epoch 1 or later
+        assert list((tmp_path / "runs").rglob("epoch001.ckpt")), "epoch 1 did not end within 120 s"
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -97,7 +98,7 @@ def test_ctrl_c_under_ddp_saves_last_and_leaves_no_process_behind(tmp_path):
     assert live_processes_in_group(proc.pid) == []  # no rank outlived the launcher
     (run,) = run_dirs(tmp_path)
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
-    assert 5 <= saved < 200
+    assert 10 <= saved < 200
     # The run continues from there to the end, in the same folder.
     cli("fit", *args, "--ckpt_path", "last", cwd=tmp_path, timeout=240)
     assert run_dirs(tmp_path) == [run]

@@ -22,6 +22,8 @@ EVERY_50 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n
             "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
 # 3 epochs of 20 steps; checkpoints at epoch ends (steps 20, 40, 60) and last.ckpt at step 50.
 BASE = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "3", "--model.warmup", "1", *EVERY_50]
+# The same run with two loader workers, kept between epochs.
+WORKERS = [*BASE, "--data.num_workers", "2", "--data.persistent_workers", "true"]
 # 2 ranks x batch 48: 14 steps per epoch, so step 50 is mid-epoch (epoch 3, batch 8).
 DDP = [*QUIET, *DDP2, "--trainer.max_epochs", "4", "--trainer.limit_val_batches", "3", "--model.warmup", "1",
        "--data.batch_size", "48", *EVERY_50]  # fmt: skip
@@ -81,21 +83,29 @@ def test_resume_from_epoch_end_checkpoint_is_exact(uninterrupted, tmp_path):
     assert_same_run(uninterrupted, tmp_path)
 
 
-def test_resume_from_mid_epoch_checkpoint_is_exact(uninterrupted, tmp_path):
-    proc = cli("fit", *BASE, *kill_at(55), cwd=tmp_path, check=False)
+def killed_mid_epoch_then_resumed(cwd, args) -> None:
+    proc = cli("fit", *args, *kill_at(55), cwd=cwd, check=False)
     assert proc.returncode == -9, proc.stderr[-2000:]
-    last = torch.load(run_dirs(tmp_path)[0] / "checkpoints" / "last.ckpt", weights_only=True)
+    last = torch.load(run_dirs(cwd)[0] / "checkpoints" / "last.ckpt", weights_only=True)
     progress = last["loops"]["fit_loop"]["epoch_loop.batch_progress"]
     assert last["global_step"] == 50 and 0 < progress["current"]["completed"] < 20  # mid-epoch (epoch 3 of 20)
-    cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
+    cli("fit", *args, "--ckpt_path", "last", cwd=cwd)
+
+
+def test_resume_from_mid_epoch_checkpoint_is_exact(uninterrupted, tmp_path):
+    killed_mid_epoch_then_resumed(tmp_path, BASE)
     assert_same_run(uninterrupted, tmp_path)
 
 
 @pytest.mark.long  # CI and make test-all; the mid-epoch resume again, with workers
 def test_resume_with_loader_workers_is_exact(uninterrupted, tmp_path):
-    workers = [*BASE, "--data.num_workers", "2", "--data.persistent_workers", "true"]
-    interrupted_then_resumed(tmp_path, workers, step=55)
-    assert_same_run(uninterrupted, tmp_path)  # workers change nothing: the reference ran without them
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir()
+    resumed.mkdir()
+    cli("fit", *WORKERS, cwd=reference)
+    killed_mid_epoch_then_resumed(resumed, WORKERS)
+    assert_same_run(reference, resumed)  # the same run with workers, uninterrupted
+    assert_same_run(uninterrupted, resumed)  # and without them: workers change nothing
 
 
 @pytest.mark.long  # CI and make test-all; epoch-end and mid-epoch resumes are in make test

@@ -25,3 +25,15 @@ def test_crashed_fit_resumes_mid_epoch_bitwise_equal(tmp_path):
     ref = torch.load(str(last).replace("resumed", "reference"), weights_only=True)["state_dict"]
     got = torch.load(last, weights_only=True)["state_dict"]
     assert all(torch.equal(got[k], v) for k, v in ref.items() if k.startswith("net."))
+
+
+def test_resume_on_another_number_of_threads_says_it_is_not_bit_exact(tmp_path, capsys):
+    cli_in_process("fit", *ARGS, root=tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)  # a CPU matmul's sums split differently: not the run that was saved
+    try:
+        cli_in_process("fit", *ARGS, "--trainer.max_epochs", "3", "--ckpt_path", "last", root=tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    start = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Run ")][-1]  # the resume's
+    assert f"the checkpoint was computed on {threads} CPU thread(s), this run on {threads + 1}" in start, start

@@ -1,5 +1,5 @@
 """What a bit-exact resume needs beyond Lightning's checkpoint: every rank's RNG states, the states of the module's
-metrics mid-epoch, logs flushed at saves."""
+metrics mid-epoch, a fixed number of compute threads, logs flushed at saves."""
 
 import random
 from typing import Any
@@ -28,6 +28,11 @@ class ExactResume(Callback):
       the uninterrupted run's. Kept beside the module's ``state_dict``, which stays the weights alone. Under more
       than one rank a metric with list states (e.g. ``AUROC``'s) is not kept: its epoch value after a mid-epoch
       resume covers the resumed part only.
+    - The number of CPU compute threads, fixed for the run and checked on resume. A CPU matmul splits its sums
+      over the threads it runs on, so the same step on 1 and on 2 threads differs in the last bits (here: the
+      last layer's weight gradient, from the first step on). Until ``torch.set_num_threads`` is called, MKL may
+      also run a call on fewer threads than asked (MKL_DYNAMIC; ``MKL_VERBOSE=1`` prints ``Dyn:1``); setting the
+      count PyTorch already uses turns that off (``Dyn:0``) and changes nothing else.
     - The loggers' buffers are flushed (at each checkpoint, and once Lightning has logged that step), so no point
       logged before the checkpoint is lost if the process is killed after it (the resumed run's ``purge_step``
       drops those logged after it).
@@ -60,6 +65,10 @@ class ExactResume(Callback):
         self._trainer = trainer
         self._metrics = {name: m for name, m in pl_module.named_modules() if isinstance(m, Metric)}
         self._not_trained = dict(self._metrics)
+        self._threads_saved: int | None = None
+        # The count stays as it is; MKL stops choosing its own per call (mkl_set_dynamic(false)). The one setting of
+        # the engine that outlives the run: PyTorch cannot turn MKL's own choice back on, and it changes no result.
+        torch.set_num_threads(torch.get_num_threads())
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         _flush_loggers(trainer)
@@ -98,10 +107,11 @@ class ExactResume(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
+        threads = torch.get_num_threads()
         shape = {"shape": self.shape.as_dict()} if self.shape is not None else {}
         trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
         if trainer is None or trainer.world_size == 1:
-            return {"ranks": [_rng_tensors()], "metrics": [_metric_states(trained)], **shape}
+            return {"ranks": [_rng_tensors()], "metrics": [_metric_states(trained)], "threads": threads, **shape}
         # the same metrics on every rank, so that every rank runs the same gathers
         flags = torch.tensor([name not in self._not_trained for name in self._metrics], dtype=torch.uint8)
         device = trainer.strategy.root_device  # NCCL gathers only device tensors
@@ -116,17 +126,25 @@ class ExactResume(Callback):
         metrics = [
             _nest({k[len("metric:") :]: v for k, v in rank.items() if k.startswith("metric:")}) for rank in ranks
         ]
-        return {"ranks": rng, "metrics": metrics, **shape}
+        return {"ranks": rng, "metrics": metrics, "threads": threads, **shape}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._to_restore = state_dict["ranks"]
         self._metrics_to_restore = state_dict.get("metrics")  # absent from checkpoints of earlier versions
         self.saved_world = len(state_dict["ranks"])
         self.saved_shape = Shape(**state_dict["shape"]) if "shape" in state_dict else None
+        self._threads_saved = state_dict.get("threads")  # absent from checkpoints written before it was saved
 
     def notes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
         """What of the original run a resume on another number of ranks cannot continue, for the start line."""
         out = []
+        saved = self._threads_saved
+        if saved is not None and saved != torch.get_num_threads() and trainer.strategy.root_device.type == "cpu":
+            out.append(
+                f"the checkpoint was computed on {saved} CPU thread(s), this run on {torch.get_num_threads()}: a CPU "
+                f"matmul sums in another order, so results differ in the last bits (OMP_NUM_THREADS={saved} on a "
+                "machine with that many cores resumes bit-exact)"
+            )
         # (under sharding its "Resharded ... from N ranks to M" line says so already)
         resharded = isinstance(trainer.strategy, ShardedStrategy)
         if self.saved_world is not None and self.saved_world != trainer.world_size and not resharded:
