@@ -35,5 +35,5 @@ def test_resume_on_another_number_of_threads_says_it_is_not_bit_exact(tmp_path, 
         cli_in_process("fit", *ARGS, "--trainer.max_epochs", "3", "--ckpt_path", "last", root=tmp_path)
     finally:
         torch.set_num_threads(threads)
-    start = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Run ")][-1]  # the resume's
+    start = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Run /")][-1]  # the resume's
     assert f"the checkpoint was computed on {threads} CPU thread(s), this run on {threads + 1}" in start, start
