@@ -7,6 +7,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 
 from project.engine.compat import skips_steps_on_device
 from project.engine.signals import last_checkpoint_path
@@ -65,6 +66,8 @@ class StopOnNonFinite(Callback):
         # CPU; a norm or isfinite(...).all() costs several times as much. The optimizer's own parameter list, not
         # pl_module.parameters(), which walks every submodule (metrics included): ~170 us a step on the default MLP.
         total = torch.stack([g.detach().sum(dtype=torch.float32) for g in grads]).sum()
+        if isinstance(total, DTensor):  # sharded gradients: summed over every rank's shard (one scalar all-reduce),
+            total = total.full_tensor()  # so every rank flags the same step
         if self.first_bad is None or self.first_bad.device != total.device:
             self.first_bad = torch.full((), -1, dtype=torch.int64, device=total.device)
         bad_now = ~torch.isfinite(total) & (self.first_bad < 0)
