@@ -18,7 +18,11 @@ from tests.test_summary import SUMMARY
 pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
 
 EPOCHS, BATCHES = 2, 4
-TINY = ["--trainer.max_epochs", str(EPOCHS), "--trainer.limit_train_batches", str(BATCHES)]
+# every step logged (the default logs every 50th: fewer host syncs), as a user wanting per-step curves asks
+TINY = [
+    *("--trainer.max_epochs", str(EPOCHS), "--trainer.limit_train_batches", str(BATCHES)),
+    *("--trainer.log_every_n_steps", "1"),
+]
 
 
 def free_port() -> int:
