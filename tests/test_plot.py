@@ -21,7 +21,9 @@ spec.loader.exec_module(plot_run)
 
 
 def test_png_of_a_real_run_from_its_events(workdir):
-    cli("fit", *QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4", cwd=workdir)
+    # every step logged (the default logs every 50th: fewer host syncs), as a user wanting per-step curves asks
+    cli("fit", *QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4",
+        "--trainer.log_every_n_steps", "1", cwd=workdir)  # fmt: skip
     (run,) = run_dirs(workdir)
     out = workdir / "figs" / "curves.png"
     proc = subprocess.run(
