@@ -9,7 +9,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_rank_fit_writes_exactly_one_run(workdir):
-    cli("fit", *QUIET, *DDP2, "--trainer.max_epochs", "2", "--model.warmup", "1", cwd=workdir, timeout=240)
+    # every step logged (the default logs every 50th: fewer host syncs), so that each step's train/loss is counted
+    cli("fit", *QUIET, *DDP2, "--trainer.max_epochs", "2", "--model.warmup", "1", "--trainer.log_every_n_steps", "1",
+        cwd=workdir, timeout=240)  # fmt: skip
     (run,) = run_dirs(workdir)
     assert len(list(run.glob("events.out.tfevents.*"))) == 1
     assert sorted(p.name for p in run.glob("*.yaml")) == ["config.yaml", "hparams.yaml"]
