@@ -109,6 +109,7 @@ VERBOSE_ONLY = [
     "`Trainer.fit` stopped: `max_epochs=1` reached.",
     "`isinstance(treespec, LeafSpec)` is deprecated",  # Lightning's warning format names no category
     "The dirpath has changed from",
+    "The number of training batches (2) is smaller than the logging interval Trainer(log_every_n_steps=50)",
 ]
 
 

@@ -18,6 +18,8 @@ import re
 import warnings
 from collections.abc import Iterator
 
+from lightning.fabric.utilities.warnings import PossibleUserWarning
+
 VERBOSE_ENV = "PROJECT_VERBOSE"
 
 # (message regex matched at the start of the message, category)
@@ -31,6 +33,12 @@ SILENCED_WARNINGS: list[tuple[str, type[Warning]]] = [
     (r"The dirpath has changed from ", UserWarning),
     # fit --ckpt_path last continues the run's own folder, checkpoints included, on purpose
     (r"Checkpoint directory .* exists and is not empty\.", UserWarning),
+    # configs/default.yaml logs every 50 steps (fewer host-device syncs) and the digits have 20 batches an epoch:
+    # every default run would say this, and it misleads: Lightning logs every 50 global steps, across epochs
+    (
+        r"The number of training batches \(\d+\) is smaller than the logging interval Trainer\(log_every_n_steps=",
+        PossibleUserWarning,
+    ),
 ]
 
 # Lightning's INFO lines that are dropped, by how the message starts ("[rank: N] " prefix removed).
