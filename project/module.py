@@ -69,11 +69,12 @@ class Classifier(L.LightningModule):
         self.net = MLP() if net is DEFAULT_NET else net
         # Metric objects, not per-step means, for the epoch values: torchmetrics reduces them over every sample of
         # every rank, which equals the single-process value under DDP (uneven last batches included).
-        # validate_args=False: no input checks on every update (cross_entropy has already checked the labels).
+        # validate_args=False / nan_strategy="disable": no input checks on every update, each a host-device sync on a
+        # GPU (cross_entropy has already checked the labels; a NaN loss stops training anyway).
         self.metrics = nn.ModuleDict()
         for stage in ("train", "val", "test"):
             self.metrics[f"{stage}_acc"] = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
-            self.metrics[f"{stage}_loss"] = MeanMetric()
+            self.metrics[f"{stage}_loss"] = MeanMetric(nan_strategy="disable")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -123,6 +124,7 @@ class Classifier(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
+        # fused: one kernel per step, which can also skip a step on the device (the NaN guard then reads no flag per step)
         optimizer = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
         scheduler = LinearWarmupCosineAnnealingLR(
             optimizer, warmup_epochs=hp.warmup, max_epochs=hp.max_schedule, warmup_start_lr=hp.warmup_start_lr,

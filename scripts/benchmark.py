@@ -64,10 +64,20 @@ def digits_loaders(spec: dict[str, Any]) -> tuple[Any, Any]:
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
 
     class EpochBatchSampler(BatchSampler):
-        """Lightning calls ``set_epoch`` on a loader's sampler: this passes it on to the DistributedSampler inside."""
+        """Lightning calls ``set_epoch`` on a loader's sampler: this passes it on to the DistributedSampler inside.
+        The epoch's order is padded to whole batches with its first indices, as the template pads its order to
+        the global batch (so that it is the same on any number of ranks): the same batches on every side."""
 
         def set_epoch(self, epoch: int) -> None:
             self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+
+        def __iter__(self):  # type: ignore[override]
+            order = list(self.sampler)
+            order += order[: -len(order) % self.batch_size]
+            return iter([order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)])
+
+        def __len__(self) -> int:
+            return -(-len(self.sampler) // self.batch_size)  # type: ignore[arg-type]
 
     splits = digits_splits(spec["data_seed"], spec["val_fraction"], spec["test_fraction"])
     train_set, val_set = TensorDataset(*splits["train"]), TensorDataset(*splits["val"])
