@@ -62,8 +62,14 @@ def final_difference(reference: Path, resumed: Path) -> float:
                max_abs_diff(ref["optimizer_states"], got["optimizer_states"]))  # fmt: skip
 
 
+def continued(out: str, step: int) -> bool:
+    """Whether the start line in ``out`` says the run continues from ``step`` (not a fresh start, which would end
+    equal to the uninterrupted run too)."""
+    return any(line.startswith("Run ") and f"(continues from step {step} of " in line for line in out.splitlines())
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_a_crashed_fit_resumes_from_mid_epoch_and_from_an_epoch_end_bitwise_equal(shape, tmp_path):
+def test_a_crashed_fit_resumes_from_mid_epoch_and_from_an_epoch_end_bitwise_equal(shape, tmp_path, capsys):
     """One process: crashed where last.ckpt is mid-epoch, resumed; crashed again where it is at an epoch's end,
     resumed to the end. The oracle: the uninterrupted run."""
     per_batch = SHAPES[shape][4]
@@ -77,10 +83,12 @@ def test_a_crashed_fit_resumes_from_mid_epoch_and_from_an_epoch_end_bitwise_equa
             cli_in_process("fit", *args, *crash, *more, root=resumed)
 
     crash_at(5)
-    assert position(resumed) == (0, 2, 3 * per_batch)  # mid-epoch: 3 of 6 batches of epoch 0 (counted after)
+    assert position(resumed) == (0, 2, 3 * per_batch)  # mid-epoch: saved after 3 of epoch 0's 6 batches
     crash_at(8, "--ckpt_path", "last")
-    assert position(resumed) == (0, BATCHES - 1, BATCHES * per_batch)  # epoch 0's last batch
-    cli_in_process("fit", *args, "--ckpt_path", "last", root=resumed)
+    assert continued(capsys.readouterr().out, 3 * per_batch)
+    assert position(resumed) == (0, BATCHES - 1, BATCHES * per_batch)  # saved after epoch 0's last batch
+    fit = cli_in_process("fit", *args, "--ckpt_path", "last", root=resumed)
+    assert continued(capsys.readouterr().out, BATCHES * per_batch) and fit.trainer.ckpt_path.endswith("last.ckpt")
     diff = final_difference(reference, resumed)
     print(f"{shape}: max |delta| of weights, buffers and optimizer states: {diff}")
     assert diff == 0
@@ -116,17 +124,18 @@ def test_a_killed_two_rank_ddp_fit_resumes_from_mid_epoch_and_from_an_epoch_end_
     reference, resumed = in_folder(tmp_path / "reference"), in_folder(tmp_path / "resumed")
     cli("fit", *args, cwd=reference)
 
-    def kill_at(batch: int, *more: str) -> None:
+    def kill_at(batch: int, *more: str) -> str:
         kill = ["--trainer.callbacks+=tests.faults.KillAt", f"--trainer.callbacks.step={batch * per_batch}",
                 "--trainer.callbacks.settle=true"]  # fmt: skip
         proc = cli("fit", *args, *kill, *more, cwd=resumed, check=False)
         assert proc.returncode != 0, proc.stderr[-2000:]
+        return proc.stdout
 
     kill_at(2)  # as batch 2 is about to run, with the last.ckpt saved after batches 0 and 1 on disk (settle)
-    assert position(resumed / "runs") == (0, 1, 2 * per_batch)  # mid-epoch: 2 of 3 batches of epoch 0
-    kill_at(6, "--ckpt_path", "last")
-    assert position(resumed / "runs") == (1, 2, 6 * per_batch)  # epoch 1's last batch
-    cli("fit", *args, "--ckpt_path", "last", cwd=resumed)
+    assert position(resumed / "runs") == (0, 1, 2 * per_batch)  # mid-epoch: saved after 2 of epoch 0's 3 batches
+    assert continued(kill_at(6, "--ckpt_path", "last"), 2 * per_batch)
+    assert position(resumed / "runs") == (1, 2, 6 * per_batch)  # saved after epoch 1's last batch
+    assert continued(cli("fit", *args, "--ckpt_path", "last", cwd=resumed).stdout, 6 * per_batch)
     diff = final_difference(reference / "runs", resumed / "runs")
     print(f"{shape}, 2 ranks: max |delta| of weights, buffers and optimizer states: {diff}")
     assert diff == 0
