@@ -53,6 +53,21 @@ def position(runs: Path) -> tuple[int, int, int]:
     return saved["epoch"], done, saved["global_step"]
 
 
+class LoggedCurvesDiffer(AssertionError):
+    """A resumed run's logged curves are not the uninterrupted run's: a step lost, or logged twice."""
+
+
+# The engine drops (StepGate) and purges (TensorBoard purge_step, CSV trim) logged points by the checkpoint's
+# global_step, but Lightning logs at the count of training batches (fit_loop.epoch_loop._batches_that_stepped);
+# with two optimizer steps per batch the two differ and a resumed run drops the steps between them.
+STEPS_ARE_NOT_BATCHES = pytest.mark.xfail(
+    strict=True,
+    raises=LoggedCurvesDiffer,
+    reason="engine bug: a resume drops logged steps < checkpoint global_step, but Lightning's logging step counts "
+    "batches (_batches_that_stepped), half the global_step with two optimizers: steps between them are lost",
+)
+
+
 def final_difference(reference: Path, resumed: Path) -> float:
     """The largest difference between two runs' final weights, buffers and optimizer states."""
     ref, got = last(reference), last(resumed)
@@ -62,13 +77,30 @@ def final_difference(reference: Path, resumed: Path) -> float:
                max_abs_diff(ref["optimizer_states"], got["optimizer_states"]))  # fmt: skip
 
 
+def same_curves(reference: Path, resumed: Path) -> None:
+    """The runs' TensorBoard curves are equal: each step once, with the uninterrupted run's values (under DDP that
+    takes every rank's BatchNorm buffers as they would have been, through the validation metrics)."""
+    from tests.conftest import scalars
+
+    (ref_run,), (got_run,) = (runs.glob("kind/version_*") for runs in (reference, resumed))
+    ref_curves, got_curves = scalars(ref_run), scalars(got_run)
+    if got_curves != ref_curves:
+        differ = sorted(t for t in ref_curves.keys() | got_curves.keys() if ref_curves.get(t) != got_curves.get(t))
+        raise LoggedCurvesDiffer(
+            f"{differ}: steps {[s for s, _ in ref_curves.get(differ[0], [])]} uninterrupted, "
+            f"{[s for s, _ in got_curves.get(differ[0], [])]} resumed"
+        )
+
+
 def continued(out: str, step: int) -> bool:
     """Whether the start line in ``out`` says the run continues from ``step`` (not a fresh start, which would end
     equal to the uninterrupted run too)."""
     return any(line.startswith("Run ") and f"(continues from step {step} of " in line for line in out.splitlines())
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize(
+    "shape", [pytest.param(s, marks=STEPS_ARE_NOT_BATCHES) if SHAPES[s][4] > 1 else s for s in SHAPES]
+)
 def test_a_crashed_fit_resumes_from_mid_epoch_and_from_an_epoch_end_bitwise_equal(shape, tmp_path, capsys):
     """One process: crashed where last.ckpt is mid-epoch, resumed; crashed again where it is at an epoch's end,
     resumed to the end. The oracle: the uninterrupted run."""
@@ -92,6 +124,7 @@ def test_a_crashed_fit_resumes_from_mid_epoch_and_from_an_epoch_end_bitwise_equa
     diff = final_difference(reference, resumed)
     print(f"{shape}: max |delta| of weights, buffers and optimizer states: {diff}")
     assert diff == 0
+    same_curves(reference, resumed)
 
 
 def ddp(shape: str, ranks: int = 2) -> list[str]:
@@ -112,7 +145,7 @@ def in_folder(path: Path) -> Path:
     [
         pytest.param("classify", marks=pytest.mark.long),
         pytest.param("dict_floats", marks=pytest.mark.long),
-        pytest.param("two_optimizers", marks=pytest.mark.long),
+        pytest.param("two_optimizers", marks=[pytest.mark.long, STEPS_ARE_NOT_BATCHES]),
         "batchnorm",  # DDP broadcasts rank 0's buffers: the ones its checkpoint holds
     ],
 )
@@ -139,6 +172,7 @@ def test_a_killed_two_rank_ddp_fit_resumes_from_mid_epoch_and_from_an_epoch_end_
     diff = final_difference(reference / "runs", resumed / "runs")
     print(f"{shape}, 2 ranks: max |delta| of weights, buffers and optimizer states: {diff}")
     assert diff == 0
+    same_curves(reference / "runs", resumed / "runs")
 
 
 def fixture_module(shape: str, ckpt: Path) -> torch.nn.Module:
