@@ -221,6 +221,8 @@ def test_best_and_last_pick_the_run_monitors_best_and_the_final_file_and_test_af
     best_value = max(curve) if mode == "max" else min(curve)
     files = sorted(p.name for p in (run / "checkpoints").glob("best-*.ckpt"))
     assert len(curve) == 4 and len(files) == 3, (curve, files)  # save_top_k 3 dropped one of 4: a real choice
+    ranked = sorted(range(4), key=lambda epoch: curve[epoch], reverse=mode == "max")
+    assert sorted(int(name[10:13]) for name in files) == sorted(ranked[:3]), (curve, files)  # best-epochNNN-...
     best = cli_in_process("validate", *own(shape), "--ckpt_path", "best", root=root)
     chosen = Path(best.config["validate"]["ckpt_path"])
     assert chosen.parent == run / "checkpoints" and chosen.name in files
