@@ -202,15 +202,7 @@ def fitted(request, tmp_path_factory) -> tuple[str, Path]:
     return shape, root
 
 
-# The fast tier keeps two shapes (max and min, a Metric and floats); the other two add ~10 s of fits
-ALL_FITTED = [
-    "classify",
-    "dict_floats",
-    *(pytest.param(s, marks=pytest.mark.slow) for s in ["two_optimizers", "batchnorm"]),
-]
-
-
-@pytest.mark.parametrize("fitted", ALL_FITTED, indirect=True)
+@pytest.mark.parametrize("fitted", list(SHAPES), indirect=True)
 def test_best_and_last_pick_the_run_monitors_best_and_the_final_file_and_test_after_fit_tests_the_best(fitted):
     from tests.conftest import scalars
 
@@ -269,7 +261,7 @@ def expected_predictions(shape: str, ckpt: Path) -> dict[str, torch.Tensor]:
         return {"output": module(x)}
 
 
-@pytest.mark.parametrize("fitted", ALL_FITTED, indirect=True)
+@pytest.mark.parametrize("fitted", list(SHAPES), indirect=True)
 def test_predict_writes_one_row_per_sample_in_dataset_order_as_the_module_computes_them(fitted):
     shape, root = fitted
     ckpt = root / "kind" / "version_0" / "checkpoints" / "last.ckpt"
