@@ -30,6 +30,21 @@ def test_values_wait_until_a_flush_then_all_are_written_in_order(tmp_path):
     assert all(abs(v - e) < 1e-7 for (_, v), (_, e) in zip(got, expected, strict=True))
 
 
+def test_from_a_checkpoint_to_the_next_batch_each_value_is_written_as_it_comes(tmp_path):
+    """A kill -9 after a checkpoint, before the next batch's hooks, must not lose the values Lightning logs after
+    saving (the checkpoint step's own): the resume drops them as already logged."""
+    logger = ThrottledTensorBoardLogger(save_dir=str(tmp_path), name="t", flush_seconds=3600, default_hp_metric=False)
+    logger.save()  # starts the interval
+    logger.flush_each_save = True  # what ExactResume sets at a checkpoint
+    logger.log_metrics({"train/loss": 0.5}, step=7)
+    logger.save()  # what Lightning calls after log_metrics: the value is on disk now, with no flush or finalize
+    assert scalars(tmp_path / "t" / "version_0")["train/loss"] == [(7, 0.5)]
+    logger.flush_each_save = False  # ExactResume at the next batch start: throttled again
+    logger.log_metrics({"train/loss": 0.25}, step=8)
+    logger.save()
+    assert scalars(tmp_path / "t" / "version_0")["train/loss"] == [(7, 0.5)]
+
+
 def test_the_throttled_logger_takes_every_argument_of_lightnings_logger_and_the_writer_typed():
     """Its signature lists them rather than taking **kwargs (start-up): an argument a Lightning or torch upgrade
     adds, or a default it changes, must show here, not be silently missing from the CLI."""

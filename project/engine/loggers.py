@@ -19,8 +19,9 @@ class ThrottledTensorBoardLogger(TensorBoardLogger):
     step and takes the interpreter lock from the training loop; Lightning also flushes (waits for it to drain)
     after every step. On a small model that was ~0.6 ms a step, a third of the step. Here the values wait in a
     list and go out together: every value is still written, in order. At most ``flush_seconds`` of values wait in
-    memory; each checkpoint (``ExactResume``) and the end of the run write them out, so a run killed after a
-    checkpoint keeps every point up to it.
+    memory; each checkpoint (``ExactResume``) and the end of the run write them out, and so does every hand-over
+    from a checkpoint to the next batch (``flush_each_save``: the checkpoint step's own values, which Lightning
+    logs after saving), so a run killed after a checkpoint keeps every point up to it.
 
     Args:
         save_dir: Folder of the logs; the CLI sets it to the run folder's parent.
@@ -81,6 +82,7 @@ class ThrottledTensorBoardLogger(TensorBoardLogger):
             raise ValueError(f"flush_seconds ({flush_seconds}) must be >= 0")
         self.flush_seconds = flush_seconds
         self._flushed_at = -math.inf
+        self.flush_each_save = False
         self._pending: list[tuple[dict[str, float], int | None]] = []
 
     @rank_zero_only
@@ -89,7 +91,7 @@ class ThrottledTensorBoardLogger(TensorBoardLogger):
 
     @rank_zero_only
     def save(self) -> None:  # Lightning calls this after every log_metrics
-        if time.monotonic() - self._flushed_at >= self.flush_seconds:
+        if self.flush_each_save or time.monotonic() - self._flushed_at >= self.flush_seconds:
             self.flush()
 
     @rank_zero_only

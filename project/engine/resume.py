@@ -72,6 +72,7 @@ class ExactResume(Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         _flush_loggers(trainer)
+        _flush_each_save(trainer, True)
         self._flush_before_next_batch = True
         reopen_an_epoch_stopped_mid_way(checkpoint)
 
@@ -92,9 +93,11 @@ class ExactResume(Callback):
             _set_metric_states(self._metrics, metrics[trainer.global_rank])
         # Lightning hands a step's values (and an epoch's, train/acc ...) to the loggers after the batch-end and
         # epoch-end hooks where checkpoints are saved, and a resume from that checkpoint does not log them again:
-        # out before the next batch can be killed.
+        # each went out as it came (flush_each_save), as a kill may come before this hook (while the next batch
+        # loads, or in an earlier callback's hook); out here at the latest.
         if self._flush_before_next_batch:
             _flush_loggers(trainer)
+            _flush_each_save(trainer, False)
             self._flush_before_next_batch = False
 
     def on_train_batch_end(
@@ -181,6 +184,12 @@ def _flush_loggers(trainer: L.Trainer) -> None:
             logger.save()
             if hasattr(logger.experiment, "flush"):
                 logger.experiment.flush()
+
+
+def _flush_each_save(trainer: L.Trainer, on: bool) -> None:
+    for logger in trainer.loggers:
+        if hasattr(logger, "flush_each_save"):  # ThrottledTensorBoardLogger
+            logger.flush_each_save = on
 
 
 def _metric_states(metrics: dict[str, Metric]) -> dict[str, dict[str, Any]]:
