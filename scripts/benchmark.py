@@ -82,7 +82,9 @@ def digits_loaders(spec: dict[str, Any]) -> tuple[Any, Any]:
     splits = digits_splits(spec["data_seed"], spec["val_fraction"], spec["test_fraction"])
     train_set, val_set = TensorDataset(*splits["train"]), TensorDataset(*splits["val"])
     # The blog's DistributedSampler, one replica: the same order as the template's, a pure function of (seed, epoch).
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=spec["data_seed"])
+    # The seed is the run's (seed_everything), as the engine's sampler in the template's plain DataLoader takes it
+    # (PL_GLOBAL_SEED, project.engine.user_loaders), not the data module's, which seeds the split only.
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=spec["seed"])
     # A batch is one indexing op, train_set[list of indices], as in the template. As there too, each loader has a
     # generator of its own, so that its base seed never draws from the global RNG and dropout draws the same masks.
     bs = spec["batch_size"]
