@@ -29,7 +29,9 @@ def drop_example(texts: dict[Path, str], skeleton: Path, package: str) -> dict[s
     # Tests that mention the example go; so does any other module outside the package that uses its classes.
     uses = re.compile(rf"\b({'|'.join(map(re.escape, renames))})\b")
     mentions = re.compile(f"{uses.pattern}|{re.escape(EXAMPLE_WORD)}", re.I)
-    for rel in [r for r in texts if r.suffix == ".py" and r.parts[0] != package and r.name != "conftest.py"]:
+    for rel in [
+        r for r in texts if r.suffix == ".py" and r.parts[0] != package and r.name not in ("conftest.py", "helpers.py")
+    ]:
         if (mentions if rel.name.startswith("test_") else uses).search(texts[rel]):
             del texts[rel]
     for path in skeletons:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import DDP2, QUIET, cli, cli_in_process, scalars
+from tests.helpers import DDP2, QUIET, cli, cli_in_process, scalars
 
 SMALL = [*QUIET, "--trainer.limit_train_batches", "4", "--model.net.init_args.hidden_sizes", "[32]",
          "--model.warmup", "0", "--model.lr", "0.01"]  # fmt: skip

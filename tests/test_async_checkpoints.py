@@ -11,7 +11,7 @@ import torch
 
 from project.engine.checkpoints import AtomicCheckpointIO, HostSnapshot
 from project.engine.runs import find_last_checkpoint
-from tests.conftest import QUIET, cli, cli_in_process
+from tests.helpers import QUIET, cli, cli_in_process
 
 # 3 epochs of 6 steps; last.ckpt every 4 optimizer steps besides the default writers (epoch ends): 4, 6, 8, 12, ...
 EVERY_4 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",

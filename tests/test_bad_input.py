@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import DDP2, QUIET, REPO, cli, run_dirs
+from tests.helpers import DDP2, QUIET, REPO, cli, run_dirs
 
 pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow  # four interpreters (driver, hand-written loop, plain Lightning, template CLI)
 

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from project.engine.best import best_checkpoint
-from tests.conftest import QUIET, cli_in_process, scalars
+from tests.helpers import QUIET, cli_in_process, scalars
 
 SMALL = [*QUIET, "--trainer.limit_train_batches", "4", "--model.net.init_args.hidden_sizes", "[32]",
          "--model.warmup", "0", "--model.lr", "0.01"]  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
+from tests.helpers import QUIET, REPO, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow  # subprocesses: the real `python -m project`
 

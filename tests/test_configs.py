@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 FIT_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("sweep"))
 
@@ -36,7 +36,7 @@ def test_every_sweep_config_parses_and_its_space_fits_the_fit_parser(config, mon
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "configs").glob("debug_*.yaml")))
 def test_each_debug_preset_runs(preset, tmp_path):
-    from tests.conftest import QUIET, cli_in_process
+    from tests.helpers import QUIET, cli_in_process
 
     cli = cli_in_process("fit", "--config", str(REPO / "configs" / preset), *QUIET, "--trainer.max_epochs", "2",
                          "--trainer.limit_val_batches", "1", root=tmp_path / "runs")  # fmt: skip

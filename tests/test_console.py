@@ -1,6 +1,6 @@
 """What the console says: every line of each subcommand, and a dead DDP rank reported in one line.
 
-Both run the real CLI in a subprocess without conftest's ``PYTHONWARNINGS=ignore``: they see what a user sees.
+Both run the real CLI in a subprocess without the helpers' ``PYTHONWARNINGS=ignore``: they see what a user sees.
 """
 
 import os
@@ -17,7 +17,7 @@ import torch
 from project.engine.checkpoints import check_fits
 from project.module import Classifier
 from project.nets import MLP
-from tests.conftest import DDP2, REPO, cli
+from tests.helpers import DDP2, REPO, cli
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.conftest import DDP2, QUIET, cli, run_dirs, scalars
+from tests.helpers import DDP2, QUIET, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import torch
 
 from project.engine.elastic import Shape, _keep
 from project.engine.loaders import ResumableSampler
-from tests.conftest import DDP2, QUIET, cli, run_dirs
+from tests.helpers import DDP2, QUIET, cli, run_dirs
 
 # 90 samples padded to 96: 12 optimizer steps of 8 samples an epoch (4 per device x 2 ranks, or x 2 accumulated)
 ARGS = [*QUIET, "--model", "tests.fixtures.elastic.RecordedRegression", "--data", "tests.fixtures.elastic.ElasticData",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import DDP2, QUIET, cli, cli_in_process
+from tests.helpers import DDP2, QUIET, cli, cli_in_process
 from tests.test_user_loaders import max_abs_diff
 
 # shape: (module class, dict batches, monitored key, mode, optimizer steps per batch)
@@ -80,7 +80,7 @@ def final_difference(reference: Path, resumed: Path) -> float:
 def same_curves(reference: Path, resumed: Path) -> None:
     """The runs' TensorBoard curves are equal: each step once, with the uninterrupted run's values (under DDP that
     takes every rank's BatchNorm buffers as they would have been, through the validation metrics)."""
-    from tests.conftest import scalars
+    from tests.helpers import scalars
 
     (ref_run,), (got_run,) = (runs.glob("kind/version_*") for runs in (reference, resumed))
     ref_curves, got_curves = scalars(ref_run), scalars(got_run)
@@ -204,7 +204,7 @@ def fitted(request, tmp_path_factory) -> tuple[str, Path]:
 
 @pytest.mark.parametrize("fitted", list(SHAPES), indirect=True)
 def test_best_and_last_pick_the_run_monitors_best_and_the_final_file_and_test_after_fit_tests_the_best(fitted):
-    from tests.conftest import scalars
+    from tests.helpers import scalars
 
     shape, root = fitted
     _, _, monitor, mode, _ = SHAPES[shape]
@@ -290,7 +290,7 @@ def test_export_of_a_runs_checkpoint_gives_the_modules_forward(fitted, tmp_path)
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.helpers import REPO
     from tests.test_export import run_onnx
 
     shape, root = fitted
@@ -318,7 +318,7 @@ def test_export_of_a_runs_checkpoint_gives_the_modules_forward(fitted, tmp_path)
 
 def validated(shape: str, cwd: Path, ranks: int) -> dict[str, float]:
     """``validate`` of the shape's seeded initial weights on ``ranks`` CPU ranks: the logged metrics."""
-    from tests.conftest import run_dirs, scalars
+    from tests.helpers import run_dirs, scalars
 
     cwd.mkdir()
     cli("validate", *own(shape), *ddp(shape, ranks), cwd=cwd)
@@ -342,7 +342,7 @@ def test_a_2_trial_sweep_minimizes_the_modules_own_metric(tmp_path):
     import optuna
     import yaml
 
-    from tests.conftest import scalars
+    from tests.helpers import scalars
 
     shape = "dict_floats"
     config = {

@@ -20,7 +20,7 @@ from torch import nn
 from project.engine.checkpoints import load_checkpoint_file
 from project.engine.export import export
 from project.engine.weights import build
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 NETS = {"MLP": ["--model.net.hidden_sizes", "[32, 16]"], "CNN": ["--model.net", "project.nets.CNN"]}
 

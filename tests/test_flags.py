@@ -3,8 +3,8 @@ process through the real CLI)."""
 
 import pytest
 
-from tests.conftest import QUIET, cli_in_process
 from tests.faults import Probe
+from tests.helpers import QUIET, cli_in_process
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import statistics
 import pytest
 from lightning.pytorch.callbacks import Callback
 
-from tests.conftest import QUIET, cli
+from tests.helpers import QUIET, cli
 
 
 class Probe(Callback):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import DDP2, QUIET, REPO, cli, newest_checkpoint, run_dirs
+from tests.helpers import DDP2, QUIET, REPO, cli, newest_checkpoint, run_dirs
 
 pytestmark = pytest.mark.slow
 

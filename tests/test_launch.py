@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from project.engine.runs import find_last_checkpoint
-from tests.conftest import DDP2, QUIET, REPO, run_dirs, scalars
+from tests.helpers import DDP2, QUIET, REPO, run_dirs, scalars
 from tests.test_summary import SUMMARY
 
 SCRIPTS = REPO / "scripts"

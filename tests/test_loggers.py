@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from project.engine.loggers import ThrottledTensorBoardLogger
-from tests.conftest import QUIET, REPO, cli, cli_in_process, scalars
+from tests.helpers import QUIET, REPO, cli, cli_in_process, scalars
 
 
 def test_values_wait_until_a_flush_then_all_are_written_in_order(tmp_path):

@@ -4,7 +4,7 @@ nothing for it, and stays out of the module's weights."""
 import pytest
 import torch
 
-from tests.conftest import QUIET, cli_in_process, scalars
+from tests.helpers import QUIET, cli_in_process, scalars
 
 
 def test_a_mid_epoch_resume_logs_the_uninterrupted_runs_epoch_metric(tmp_path):

@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from tests.conftest import DDP2, QUIET, cli, cli_in_process
+from tests.helpers import DDP2, QUIET, cli, cli_in_process
 
 OWN = ["--model", "tests.fixtures.shapes.DictRegression", "--data", "tests.fixtures.shapes.DictData"]
 SHORT = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "2"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import QUIET, REPO
+from tests.helpers import QUIET, REPO
 
 SCRIPT = REPO / "scripts" / "new_project.py"
 NAME = "acme_ml"  # as long as "project": line breaks stay where they were, so a copy can be compared line by line
@@ -350,7 +350,7 @@ def test_no_example_swaps_the_digits_for_the_skeleton(bare, generated):
     assert "class DataModule(L.LightningDataModule)" in data and "load_digits" not in data
     config = yaml.safe_load((bare / "configs" / "default.yaml").read_text())
     assert config["data"] == f"{NAME}.data.DataModule"  # the class alone: its own defaults apply
-    for path in [p for p in bare.rglob("*.py") if p.name != "conftest.py"]:
+    for path in [p for p in bare.rglob("*.py") if p.name not in ("conftest.py", "helpers.py")]:
         assert "DigitsDataModule" not in path.read_text(), path
     kept = {p.name for p in (bare / "tests").glob("test_*.py")}
     assert "test_data.py" in kept and all("digits" not in (bare / "tests" / t).read_text().lower() for t in kept)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
+from tests.helpers import QUIET, REPO, cli, run_dirs, scalars
 
 pytest.importorskip("matplotlib", reason='plot_run.py needs the plot extra: pip install -e ".[plot]"')
 from matplotlib.image import imread  # only once matplotlib is known to be there

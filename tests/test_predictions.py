@@ -11,7 +11,7 @@ import yaml
 from torch.utils.data import DataLoader, TensorDataset
 
 from project.engine.predictions import PredictionWriter
-from tests.conftest import QUIET, cli
+from tests.helpers import QUIET, cli
 
 PREDICT_SIZE = int(1797 * 0.15)  # the digits' test split, which predict_dataloader serves
 TINY_FIT = [

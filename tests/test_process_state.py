@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
 from project.engine import host_memory
-from tests.conftest import QUIET, cli_in_process
+from tests.helpers import QUIET, cli_in_process
 
 
 class _MallInfo2(ctypes.Structure):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from project.engine.runs import _loads, read_global_step
-from tests.conftest import DDP2, QUIET, REPO, cli, newest_checkpoint, run_dirs, saved_steps, scalars
+from tests.helpers import DDP2, QUIET, REPO, cli, newest_checkpoint, run_dirs, saved_steps, scalars
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ under 2-rank DDP in subprocesses."""
 import pytest
 import torch
 
-from tests.conftest import DDP2, QUIET, cli, cli_in_process, newest_checkpoint, scalars
+from tests.helpers import DDP2, QUIET, cli, cli_in_process, newest_checkpoint, scalars
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ to the uninterrupted fit (the subprocess kills, DDP and the flag matrix are in t
 import pytest
 import torch
 
-from tests.conftest import QUIET, cli_in_process
+from tests.helpers import QUIET, cli_in_process
 
 ARGS = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "1",
         "--model.warmup", "1", "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",

@@ -9,7 +9,7 @@ from project.engine.export import export
 from project.engine.runs import read_global_step
 from project.engine.sharded import full_state_dict, read_meta
 from project.engine.weights import load_net
-from tests.conftest import QUIET, REPO, cli, newest_checkpoint, run_dirs, scalars
+from tests.helpers import QUIET, REPO, cli, newest_checkpoint, run_dirs, scalars
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from project.engine.schedule import FitScheduleToRun
 from project.engine.speed import Compile, MatmulPrecision
 from project.module import Classifier
 from project.nets import MLP
-from tests.conftest import QUIET, REPO, cli, run_dirs, scalars
+from tests.helpers import QUIET, REPO, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from project.engine.best import scored_checkpoint
-from tests.conftest import QUIET, cli, run_dirs, scalars
+from tests.helpers import QUIET, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import DDP2, QUIET, REPO, cli
+from tests.helpers import DDP2, QUIET, REPO, cli
 
 pytestmark = pytest.mark.slow
 

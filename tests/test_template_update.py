@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.test_new_project import GIT_ID, NAME, _env, _pytest
 
 ENV = {**os.environ, **GIT_ID}

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import QUIET, cli, run_dirs
+from tests.helpers import QUIET, cli, run_dirs
 from tests.test_summary import SUMMARY
 
 pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses

@@ -15,7 +15,7 @@ from torch.utils.data import (
 
 from project.engine.loaders import ResumableSampler
 from project.engine.user_loaders import engine_loader
-from tests.conftest import DDP2, QUIET, cli, cli_in_process, run_dirs, scalars
+from tests.helpers import DDP2, QUIET, cli, cli_in_process, run_dirs, scalars
 
 N_VAL = 37  # validation samples: indices 0..36, whose sum is 666
 

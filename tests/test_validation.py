@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import QUIET, cli, run_dirs, scalars
+from tests.helpers import QUIET, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import yaml
 
 from project.data import DataModule
 from project.nets import MLP
-from tests.conftest import QUIET, cli
+from tests.helpers import QUIET, cli
 
 
 def test_splits_are_deterministic_disjoint_and_complete():

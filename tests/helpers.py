@@ -1,0 +1,67 @@
+"""Test helpers, imported by the tests (``from tests.helpers import cli, QUIET``): run the real CLI in a subprocess
+or in this process, read what a run wrote. Fixtures live in ``conftest.py``."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# Small, quiet runs: the real Trainer and CLI, just fewer epochs and no progress bar in the logs.
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+DDP2 = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+
+
+def cli(*args: str, cwd: Path, timeout: float = 300, check: bool = True, env: dict | None = None):
+    """Runs ``python -m project ARGS`` in ``cwd`` (runs/ lands there) and returns the CompletedProcess."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "project", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"CLI {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar TensorBoard shows for ``run_dir``, as ``{tag: [(step, value), ...]}``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def run_dirs(cwd: Path, name: str = "digits") -> list[Path]:
+    return sorted((cwd / "runs" / name).glob("version_*"))
+
+
+def newest_checkpoint(run_dir: Path) -> Path:
+    """The run's most recently written checkpoint file: what ``--ckpt_path last`` resumes from after a hard crash
+    (the default writes last.ckpt every 10 minutes and at the end of fit, the best 3 and every 2 epochs)."""
+    return max((run_dir / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+
+
+def saved_steps(run_dir: Path) -> dict[str, int]:
+    """``{file name: global_step}`` of each checkpoint file in the run."""
+    import torch
+
+    return {p.name: torch.load(p, weights_only=True)["global_step"] for p in (run_dir / "checkpoints").glob("*.ckpt")}
+
+
+def cli_in_process(*args: str, root: Path):
+    """Runs ``python -m project ARGS`` in this process, its runs under ``root``; returns the LightningCLI.
+
+    Single-process runs only (Lightning's ``ddp`` re-executes ``sys.argv``: DDP goes through ``cli``).
+    """
+    from unittest import mock
+
+    from project.engine.cli import cli_main
+
+    with mock.patch.object(sys, "argv", ["project"]):  # pytest's own arguments are not the CLI's
+        return cli_main([args[0], "--run.root", str(root), *args[1:]])
