@@ -65,3 +65,28 @@ def cli_in_process(*args: str, root: Path):
 
     with mock.patch.object(sys, "argv", ["project"]):  # pytest's own arguments are not the CLI's
         return cli_main([args[0], "--run.root", str(root), *args[1:]])
+
+
+def max_abs_diff(a, b) -> float:
+    import torch
+
+    """The largest |a - b| over every tensor of two nested checkpoints parts (their structure must match)."""
+    if isinstance(a, torch.Tensor):
+        return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        return max((max_abs_diff(a[k], b[k]) for k in a), default=0.0)
+    if isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        return max((max_abs_diff(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
+    assert a == b
+    return 0.0
+
+
+def run_onnx(path: Path):
+    """An exported ONNX file as a function of one input tensor (input named ``input``), run by onnxruntime."""
+    import onnxruntime
+    import torch
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return lambda x: torch.from_numpy(session.run(None, {"input": x.numpy()})[0])

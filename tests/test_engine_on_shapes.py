@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import DDP2, QUIET, cli, cli_in_process
-from tests.test_user_loaders import max_abs_diff
+from tests.helpers import DDP2, QUIET, cli, cli_in_process, max_abs_diff
 
 # shape: (module class, dict batches, monitored key, mode, optimizer steps per batch)
 SHAPES = {
@@ -290,8 +289,7 @@ def test_export_of_a_runs_checkpoint_gives_the_modules_forward(fitted, tmp_path)
     import subprocess
     import sys
 
-    from tests.helpers import REPO
-    from tests.test_export import run_onnx
+    from tests.helpers import REPO, run_onnx
 
     shape, root = fitted
     ckpt = root / "kind" / "version_0" / "checkpoints" / "last.ckpt"

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-import onnxruntime
 import pytest
 import torch
 import yaml
@@ -20,7 +19,7 @@ from torch import nn
 from project.engine.checkpoints import load_checkpoint_file
 from project.engine.export import export
 from project.engine.weights import build
-from tests.helpers import REPO
+from tests.helpers import REPO, run_onnx
 
 NETS = {"MLP": ["--model.net.hidden_sizes", "[32, 16]"], "CNN": ["--model.net", "project.nets.CNN"]}
 
@@ -68,11 +67,6 @@ def run_safetensors(path: Path):
 
     net = load_net(path)
     return lambda x: net(x)
-
-
-def run_onnx(path: Path):
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return lambda x: torch.from_numpy(session.run(None, {"input": x.numpy()})[0])
 
 
 def run_pt2(path: Path):

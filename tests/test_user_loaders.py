@@ -15,7 +15,7 @@ from torch.utils.data import (
 
 from project.engine.loaders import ResumableSampler
 from project.engine.user_loaders import engine_loader
-from tests.helpers import DDP2, QUIET, cli, cli_in_process, run_dirs, scalars
+from tests.helpers import DDP2, QUIET, cli, cli_in_process, max_abs_diff, run_dirs, scalars
 
 N_VAL = 37  # validation samples: indices 0..36, whose sum is 666
 
@@ -37,20 +37,6 @@ EVERY_4_STEPS = {"every_n_train_steps": 4}  # 12 batches an epoch: steps 4, 8 ar
 EVERY_EPOCH = {"every_n_epochs": 1}
 # At each epoch's last batch end (every_n_epochs with save_top_k 0 and no monitor wrote no last.ckpt before the end)
 EPOCH_END = {"every_n_train_steps": 12}
-
-
-def max_abs_diff(a, b) -> float:
-    """The largest |a - b| over every tensor of two nested checkpoints parts (their structure must match)."""
-    if isinstance(a, torch.Tensor):
-        return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        return max((max_abs_diff(a[k], b[k]) for k in a), default=0.0)
-    if isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        return max((max_abs_diff(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
-    assert a == b
-    return 0.0
 
 
 def last(runs) -> dict:
