@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow
 EVERY_5 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=5",
            "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
            "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
-BASE = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "2", "--model.warmup", "1", *EVERY_5]
+# Logged every step (default.yaml logs every 50): the per-step loss and LR are compared, not one point a run.
+BASE = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "2", "--model.warmup", "1",
+        "--trainer.log_every_n_steps", "1", *EVERY_5]  # fmt: skip
 
 # flag -> (args, crash step resuming from an epoch end, crash step resuming mid-epoch)
 CASES = {
@@ -91,6 +93,7 @@ def test_a_fit_stopped_mid_epoch_then_continued_is_exact(tmp_path):
     as done when fit ends, and a resume would start the next epoch's order at the same batch.)"""
     cli_in_process("fit", *BASE, root=tmp_path / "reference")
     ref, ref_logged = final(tmp_path / "reference")
+    assert len(ref_logged["train/loss"]) == ref["global_step"] == 60  # the precondition: a loss point every step
     root = tmp_path / "stopped"
     cli_in_process("fit", *BASE, "--trainer.callbacks+=tests.faults.StopAt", "--trainer.callbacks.step=27", root=root)
     stopped = torch.load(root / "digits" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)

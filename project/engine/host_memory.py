@@ -49,12 +49,16 @@ def give_freed_host_memory_back() -> None:
     glibc offers no way back to its *dynamic* mmap threshold (which rises to the size of the largest mmapped block
     freed, up to 32 MiB): once any threshold is set it stays fixed. So after a run, blocks over 128 KiB come from
     fresh pages and the heap top is trimmed beyond 128 KiB: glibc's documented defaults, never the engine's.
+    The free memory the run kept at the heap's top (up to the engine's 1 GiB) is given back now (``malloc_trim``):
+    glibc trims only when a later ``free`` crosses the threshold, and until then the next blocks over 128 KiB would
+    still come from that heap instead of fresh pages.
     """
     global in_force
     if in_force:
-        mallopt = ctypes.CDLL(None).mallopt
-        mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT)
-        mallopt(M_TRIM_THRESHOLD, GLIBC_DEFAULT)
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT)
+        libc.mallopt(M_TRIM_THRESHOLD, GLIBC_DEFAULT)
+        libc.malloc_trim(0)
         in_force = False
 
 

@@ -58,6 +58,7 @@ class ResumableSampler(DistributedSampler):
             raise ValueError(f"global_batch ({multiple}) must be a multiple of the number of ranks ({num_replicas})")
         self.pad, self.source, self.multiple = pad, source, multiple
         total = len(source) if isinstance(source, _DRAWS) else len(dataset)  # type: ignore[arg-type]
+        self.total = total  # the samples of one epoch's order before padding
         if drop_last:
             self.num_samples = total // num_replicas
         else:
@@ -196,17 +197,26 @@ def make_loader(
     sampler = ResumableSampler(
         dataset, world, rank, shuffle=train, seed=seed, pad=train or sharded, global_batch=per_step
     )
-    if train and batch_size is not None and batch_size > sampler.num_samples:
-        share = f"{sampler.num_samples} samples" + (f" per rank on {world} ranks" if world > 1 else "")
-        raise ValueError(
-            f"batch_size ({batch_size}) is larger than the training set ({share}): every epoch would be one short "
-            f"batch. Lower --data.batch_size to {sampler.num_samples} or less."
-        )
+    if train and batch_size is not None:
+        check_train_batch(batch_size, sampler)
     if train:
         return ResumableDataLoader(dataset, sampler=sampler, collate_fn=collate_fn, **kwargs)
     # A generator of its own: creating an eval iterator must not draw from the global RNG that training uses.
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, sampler=sampler, collate_fn=collate_fn, generator=generator, **kwargs)
+
+
+def check_train_batch(batch_size: int, sampler: ResumableSampler) -> None:
+    """Raises when one batch of ``batch_size`` is larger than this rank's share of the training set (before the
+    padding to the global batch, which would otherwise fill the one short batch with repeats of the same samples)."""
+    world = sampler.num_replicas
+    share = sampler.total // world if sampler.drop_last else math.ceil(sampler.total / world)
+    if batch_size > share:
+        where = f"{share} samples" + (f" per rank on {world} ranks" if world > 1 else "")
+        raise ValueError(
+            f"batch_size ({batch_size}) is larger than the training set ({where}): every epoch would be one short "
+            f"batch. Lower --data.batch_size to {share} or less."
+        )
 
 
 def check_eval_share(size: int, world: int) -> None:

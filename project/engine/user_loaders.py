@@ -24,7 +24,7 @@ from torch.utils.data import (
 
 from project.engine.compat import loader_with_sampler, uses_distributed_sampler
 from project.engine.elastic import global_batch
-from project.engine.loaders import ResumableDataLoader, ResumableSampler, check_eval_share
+from project.engine.loaders import ResumableDataLoader, ResumableSampler, check_eval_share, check_train_batch
 
 HOOKS = {f"{split}_dataloader": split for split in ("train", "val", "test", "predict")}
 # The samplers whose order the engine redraws from (seed, epoch); any other is the user's own and left alone.
@@ -113,6 +113,9 @@ def engine_loader(loader: Any, trainer: L.Trainer, split: str) -> tuple[Any, str
         drop_last=drop_last,
         global_batch=per_step,
     )
+    batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+    if train and batch_size is not None:
+        check_train_batch(batch_size, resumable)  # before the padding repeats samples to fill the one short batch
     rebuilt = loader_with_sampler(loader, resumable)
     if train:
         rebuilt.__class__ = _resumable(type(rebuilt))
