@@ -82,10 +82,12 @@ class Classifier(L.LightningModule):
     def _shared_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch  # (B, ...), (B,)
         logits = self(x)  # (B, num_classes)
-        loss = F.cross_entropy(logits, y)
+        losses = F.cross_entropy(logits, y, reduction="none")  # (B,)
+        loss = losses.mean()
         acc, mean_loss = self.metrics[f"{stage}_acc"], self.metrics[f"{stage}_loss"]
         acc.update(logits, y)
-        mean_loss.update(loss.detach(), weight=len(y))
+        # per sample, not (batch mean, weight=B): with nan_strategy="disable" torchmetrics 1.9 ignores a weight
+        mean_loss.update(losses.detach())
         if stage == "train":
             self.log("train/loss", loss, prog_bar=True)  # this rank's loss at each step: the training curve
         self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=stage != "train")

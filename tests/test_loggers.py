@@ -68,8 +68,9 @@ def test_the_throttled_logger_takes_every_argument_of_lightnings_logger_and_the_
 
 
 # 3 epochs of 5 steps; last.ckpt at each epoch end: a crash at step 12 resumes from step 10
+# every step logged (the default logs every 50): the oracle is each step once in every logger
 ARGS = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "5", "--trainer.limit_val_batches", "1",
-        "--model.warmup", "1"]  # fmt: skip
+        "--model.warmup", "1", "--trainer.log_every_n_steps", "1"]  # fmt: skip
 STEPS = list(range(15))
 
 
