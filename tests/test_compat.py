@@ -96,7 +96,7 @@ def test_model_checkpoint_state_key_holds_its_monitor_and_mode():
 
 def test_model_checkpoint_saves_last_at_the_end_once_and_not_again_at_the_same_step(tmp_path):
     from project.data import DigitsDataModule
-    from project.engine.checkpoints import load_checkpoint_file
+    from project.engine.checkpoint_files import load_checkpoint_file
 
     saves = []
 
@@ -123,7 +123,7 @@ def test_last_checkpoint_holds_the_final_step_after_a_refresh_during_the_fit(tmp
     """The default's LastCheckpoint: refreshed during the fit (here after every step: interval 0) and still at the
     final step when fit ends, as the saved global step and the weights say."""
     from project.data import DigitsDataModule
-    from project.engine.checkpoints import load_checkpoint_file
+    from project.engine.checkpoint_files import load_checkpoint_file
     from project.engine.last_checkpoint import LastCheckpoint
 
     class Interval(LastCheckpoint):  # a refresh at step 2 only, as a 10-minute interval gives on a long run

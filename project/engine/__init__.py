@@ -19,9 +19,10 @@ What it guarantees, and what user code does to get each guarantee:
   BatchNorm statistics over another micro-batch) is named in the start line. User code: as for exact resume.
 - **Same run in every logger** (``runs``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
   each step once. Nothing to do; an unknown logger class is named at start.
-- **Checkpoints that survive a kill** (``checkpoints``): written by atomic rename in the background, loaded with
-  ``weights_only``; the files of one validation are one file under their names.
-- **Speed** (``host_memory``, ``checkpoints``, ``loggers``, ``profiler``, ``compat``): a CPU step reuses the
+- **Checkpoints that survive a kill** (``checkpoint_io``, ``one_file_per_point``, ``checkpoint_files``): written by
+  atomic rename in the background, loaded with ``weights_only``; the files of one validation are one file under
+  their names.
+- **Speed** (``host_memory``, ``host_snapshot``, ``loggers``, ``profiler``, ``compat``): a CPU step reuses the
   memory the last one freed; saves cost the loop only a copy to host memory; ``self.log`` and the hooks' profiling
   cost next to nothing per step. Nothing to do. Each switch that changes more than the loop is named in the start
   line (``| speed: ...``) and set for the run only (``run_scope``): once ``cli_main`` returns, signal handlers,

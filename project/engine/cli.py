@@ -14,7 +14,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.utilities import rank_zero_only
 
 from project.engine.after_fit import test_best
-from project.engine.checkpoints import OneFilePerPoint, check_fits
+from project.engine.checkpoint_files import check_fits
 from project.engine.compat import cli_section
 from project.engine.config import (
     SaveConfigOnce,
@@ -28,6 +28,7 @@ from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
 from project.engine.loggers import let_appended_loggers_parse
 from project.engine.monitor import CheckMonitored, monitor_callbacks
+from project.engine.one_file_per_point import OneFilePerPoint
 from project.engine.predictions import PredictionWriter
 from project.engine.profiler import NoProfiler
 from project.engine.rank_failures import RankFailures

@@ -38,11 +38,11 @@ on a Lightning version where one changed.
 - ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume from an epoch's last batch end
   (``start_the_epoch_lightning_skipped``, ``project.engine.resume``).
 - ``ModelCheckpoint.file_exists`` replaced on an instance, so that a save still being written counts as a file
-  (``count_pending_saves_as_files``, ``project.engine.checkpoints``).
+  (``count_pending_saves_as_files``, ``project.engine.one_file_per_point``).
 - A logger's ``log_metrics`` replaced on an instance (``replace_log_metrics``, ``project.engine.loggers.StepGate``);
   ``TensorBoardLogger._experiment``, whether its writer was ever opened (``experiment_opened``).
 - torch's ``LRScheduler._last_lr``, what ``get_last_lr()`` returns (``set_last_lr``, ``project.engine.schedule``).
-- ``Tensor._version``, the in-place version counter (``version_counter``, ``project.engine.checkpoints``).
+- ``Tensor._version``, the in-place version counter (``version_counter``, ``project.engine.host_snapshot``).
 - torch's per-thread config overrides (``torch.utils._config_module``): ``crc32_off_in_this_thread`` leaves the
   CRC-32 of this thread's ``torch.save`` out without touching any other thread's.
 - DCP's ``DefaultLoadPlanner`` internals (``original_state_dict``, ``mappings``) and ``FileSystemReader.load_id``

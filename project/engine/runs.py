@@ -23,7 +23,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from project.engine.best import best_checkpoint
-from project.engine.checkpoints import CheckpointLoadError, load_checkpoint_file
+from project.engine.checkpoint_files import CheckpointLoadError, load_checkpoint_file
 from project.engine.compat import set_csv_columns
 from project.engine.sharded import is_checkpoint_folder, is_sharded_checkpoint, read_meta
 

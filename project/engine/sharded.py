@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from project.engine.checkpoints import CheckpointLoadError, FilePath
+from project.engine.checkpoint_files import CheckpointLoadError, FilePath
 from project.engine.compat import (
     configure_model_counted_as_overridden,
     index_for_reader,
