@@ -61,7 +61,7 @@ HOST_CODE = (
     ("/torch/utils/data/", "host: sampler"),
     # copies the engine staged into host memory steps before (pinned, non-blocking on a GPU): read without waiting
     ("/project/engine/guards.py:_read_staged", "host: staged copies"),
-    ("/project/engine/compat.py:_staged_bar_values", "host: staged copies"),
+    ("/project/engine/compat_logging.py:_staged_bar_values", "host: staged copies"),
 )
 SOURCES = (
     ("/torchmetrics/", "torchmetrics"),

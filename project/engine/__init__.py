@@ -22,7 +22,7 @@ What it guarantees, and what user code does to get each guarantee:
 - **Checkpoints that survive a kill** (``checkpoint_io``, ``one_file_per_point``, ``checkpoint_files``): written by
   atomic rename in the background, loaded with ``weights_only``; the files of one validation are one file under
   their names.
-- **Speed** (``host_memory``, ``host_snapshot``, ``loggers``, ``profiler``, ``compat``): a CPU step reuses the
+- **Speed** (``host_memory``, ``host_snapshot``, ``loggers``, ``profiler``, ``compat_logging``): a CPU step reuses the
   memory the last one freed; saves cost the loop only a copy to host memory; ``self.log`` and the hooks' profiling
   cost next to nothing per step. Nothing to do. Each switch that changes more than the loop is named in the start
   line (``| speed: ...``) and set for the run only (``run_scope``): once ``cli_main`` returns, signal handlers,
@@ -61,6 +61,7 @@ What it guarantees, and what user code does to get each guarantee:
 - **A console worth reading** (``console``, ``rank_failures``): expected warnings silenced one by one, each run
   said once by rank 0; a dead DDP rank ends the run in one line naming it, the intact checkpoint and the resume
   command. Nothing to do; ``PROJECT_VERBOSE=1`` shows every line.
-- **Private Lightning APIs** live in ``compat`` only, each tested by name (a scan of the engine's source fails on
-  one elsewhere); on a layout it does not know, the engine stops in one line naming the attribute and the version.
+- **Private Lightning APIs** live in ``compat`` (and torch's in ``compat_torch``, ``self.log``'s in
+  ``compat_logging``) only, each tested by name (a scan of the engine's source fails on one elsewhere); on a
+  layout it does not know, the engine stops in one line naming the attribute and the version.
 """

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from project.engine.checkpoint_files import FilePath, load_checkpoint_file
-from project.engine.compat import crc32_off_in_this_thread
+from project.engine.compat_torch import crc32_off_in_this_thread
 from project.engine.host_snapshot import HostSnapshot
 
 

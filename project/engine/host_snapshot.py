@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from project.engine.compat import version_counter
+from project.engine.compat_torch import version_counter
 
 
 class HostSnapshot:

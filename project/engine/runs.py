@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from project.engine.best import best_checkpoint
 from project.engine.checkpoint_files import CheckpointLoadError, load_checkpoint_file
-from project.engine.compat import set_csv_columns
+from project.engine.compat_logging import set_csv_columns
 from project.engine.sharded import is_checkpoint_folder, is_sharded_checkpoint, read_meta
 
 RUN_RECORD = "run.json"  # the run's logger ids, for a resume to continue the same MLflow/W&B run
