@@ -276,13 +276,16 @@ def test_skip_moves_names_lightning_issue_and_installs_nothing_where_lightning_n
     at every call (the probe says so), nothing is replaced."""
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
-    from project.engine import compat_logging as compat
+    from project.engine import compat_logging
 
-    assert "#20388" in compat.skip_moves_already_done.__doc__ and "#21769" in compat.skip_moves_already_done.__doc__
-    assert compat.lightning_moves_at_every_log(), "Lightning 2.6 moves at every self.log: the probe no longer sees it"
+    doc = compat_logging.skip_moves_already_done.__doc__
+    assert "#20388" in doc and "#21769" in doc
+    assert compat_logging.lightning_moves_at_every_log(), (
+        "Lightning 2.6 moves at every self.log: the probe no longer sees it"
+    )
     own = _ResultMetric.to
-    monkeypatch.setattr(compat, "lightning_moves_at_every_log", lambda: False)  # as on a fixed Lightning
-    compat.skip_moves_already_done()()
+    monkeypatch.setattr(compat_logging, "lightning_moves_at_every_log", lambda: False)  # as on a fixed Lightning
+    compat_logging.skip_moves_already_done()()
     assert _ResultMetric.to is own
 
 
