@@ -11,7 +11,7 @@ import torch
 
 from project.engine.checkpoint_io import AtomicCheckpointIO
 from project.engine.host_snapshot import HostSnapshot
-from project.engine.runs import find_last_checkpoint
+from project.engine.run_checkpoints import find_last_checkpoint
 from tests.helpers import QUIET, cli, cli_in_process
 
 # 3 epochs of 6 steps; last.ckpt every 4 optimizer steps besides the default writers (epoch ends): 4, 6, 8, 12, ...

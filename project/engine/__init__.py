@@ -17,7 +17,7 @@ What it guarantees, and what user code does to get each guarantee:
   to a multiple of the global batch), and the engine keeps the global batch by ``accumulate_grad_batches``, or
   stops in one line naming the settings that would keep it. What cannot follow (each rank's random streams,
   BatchNorm statistics over another micro-batch) is named in the start line. User code: as for exact resume.
-- **Same run in every logger** (``runs``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
+- **Same run in every logger** (``run_loggers``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
   each step once. Nothing to do; an unknown logger class is named at start.
 - **Checkpoints that survive a kill** (``checkpoint_io``, ``one_file_per_point``, ``checkpoint_files``): written by
   atomic rename in the background, loaded with ``weights_only``; the files of one validation are one file under
@@ -46,9 +46,9 @@ What it guarantees, and what user code does to get each guarantee:
   best-k ``ModelCheckpoint`` (and ``EarlyStopping`` with ``run.patience``), a sweep's objective and the run summary's
   score; a monitored key the module does not log stops the fit at the first validation's end, before training, in
   one line naming the keys it does log. User code: ``self.log`` the monitored metric, or set ``--run.monitor``.
-- **Checkpoints by name** (``runs``, ``best``, ``after_fit``): ``--ckpt_path best`` / a run folder pick the run's
-  best by its ``ModelCheckpoint``'s own record in each file, else its last, saying which; ``--run.test_after_fit``
-  tests a finished fit's best into the same run.
+- **Checkpoints by name** (``run_checkpoints``, ``best``, ``after_fit``): ``--ckpt_path best`` / a run folder pick
+  the run's best by its ``ModelCheckpoint``'s own record in each file, else its last, saying which;
+  ``--run.test_after_fit`` tests a finished fit's best into the same run.
 - **Bad input in one line** (``errors``, ``cli``): arguments, configs, checkpoints are checked before anything is
   written; an error every rank raises is printed once, by rank 0, and a run that failed before writing anything
   but its config leaves no folder. Raise ``ValueError`` with the reason from your constructors.

@@ -34,8 +34,9 @@ from project.engine.profiler import NoProfiler
 from project.engine.rank_failures import RankFailures
 from project.engine.resume import ExactResume
 from project.engine.run_folder import RunFolder, discard_if_empty
+from project.engine.run_loggers import keep_csv_history, point_loggers_at
 from project.engine.run_scope import for_the_run, freeze_what_was_built
-from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point_loggers_at
+from project.engine.runs import RunPlan, Runs, plan_run
 from project.engine.schedule import FitScheduleToRun
 from project.engine.sharded import ShardedStrategy as Sharded
 from project.engine.sharded import check_same_network

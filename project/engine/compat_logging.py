@@ -2,7 +2,7 @@
 test_compat.py fails, naming the attribute, on a Lightning version where one changed.
 
 - CSV writer's ``metrics_keys`` (``lightning.fabric.loggers.csv_logs._ExperimentWriter``): the columns a continued
-  ``metrics.csv`` already has (``project.engine.runs.keep_csv_history``).
+  ``metrics.csv`` already has (``project.engine.run_loggers.keep_csv_history``).
 - ``_ResultMetric.to``, called by ``_ResultCollection.log`` at every ``self.log``: replaced by one that skips the
   move when the values are already on the device (``skip_moves_already_done``, installed for a run by
   ``project.engine.run_scope`` and put back after; Lightning issue #20388).

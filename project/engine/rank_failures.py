@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project.engine.compat import launched_children
 from project.engine.compat_torch import PEER_GONE
-from project.engine.runs import find_last_checkpoint
+from project.engine.run_checkpoints import find_last_checkpoint
 from project.engine.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 REPORT_ENV = "PROJECT_FAILURE_REPORT"
