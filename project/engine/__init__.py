@@ -55,9 +55,10 @@ What it guarantees, and what user code does to get each guarantee:
 - **Your model, your data** (``config``, ``export``): ``--model my.Model``/``--data my.Data`` start from that
   class's own defaults; ``scripts/export.py`` exports any module with a ``forward`` (``example_input_array``, else
   a batch of its data).
-- **Sweeps that survive a crash** (``sweep``, ``sweep_space``, ``sweep_trial``, ``sweep_report``): an Optuna study
-  whose trials are ordinary ``fit`` runs with every guarantee above; killed and restarted, it continues each trial
-  from its ``last.ckpt``. User code: log the metric the sweep monitors (``run.monitor`` unless it names another).
+- **Sweeps that survive a crash** (``sweep``, ``sweep_worker``, ``sweep_space``, ``sweep_trial``,
+  ``sweep_report``): an Optuna study whose trials are ordinary ``fit`` runs with every guarantee above; killed and
+  restarted, it continues each trial from its ``last.ckpt``. User code: log the metric the sweep monitors
+  (``run.monitor`` unless it names another).
 - **A console worth reading** (``console``, ``rank_failures``): expected warnings silenced one by one, each run
   said once by rank 0; a dead DDP rank ends the run in one line naming it, the intact checkpoint and the resume
   command. Nothing to do; ``PROJECT_VERBOSE=1`` shows every line.
