@@ -186,7 +186,7 @@ def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str])
         adamw = torch.optim.AdamW
         torch.optim.AdamW = lambda *args, **kwargs: adamw(*args, **{**kwargs, "fused": True})  # type: ignore[misc]
     if side == "hand":
-        import benchmark
+        import benchmark_hand
 
         from project import nets
 
@@ -198,20 +198,20 @@ def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str])
                 built.append(self)
 
         result = out.with_name("hand_result.json")
-        lines, first = inspect.getsourcelines(benchmark.hand_written)
+        lines, first = inspect.getsourcelines(benchmark_hand.hand_written)
         loop = next(first + i for i, line in enumerate(lines) if "enumerate(tqdm(train_loader" in line)
         end = next(first + i for i, line in enumerate(lines) if '"train/loss_epoch"' in line)
 
         def phase() -> str:  # the batch loop's lines are the steps; after it, the epoch's end
             frame = sys._getframe(1)
-            while frame is not None and frame.f_code is not benchmark.hand_written.__code__:
+            while frame is not None and frame.f_code is not benchmark_hand.hand_written.__code__:
                 frame = frame.f_back
             return "step" if frame is not None and loop <= frame.f_lineno < end else "epoch end"
 
         with unittest.mock.patch.object(nets, "MLP", RecordedMLP):
             mode = SyncCounter(lambda: bool(built) and built[0].training, phase)
             with mode:
-                benchmark.hand_written(spec, result)
+                benchmark_hand.hand_written(spec, result)
         _write(out, mode, json.loads(result.read_text())["steps"])
         return
     counter = {"class_path": "count_syncs.CountSyncs", "init_args": {"out": str(out)}}
