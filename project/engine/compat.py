@@ -49,8 +49,8 @@ class LightningChanged(RuntimeError):
     def __init__(self, what: str) -> None:
         super().__init__(
             f"{what} (Lightning {L.__version__}, torch {torch.__version__}): this version changed a private API the "
-            "engine relies on (project/engine/compat.py; tests/test_compat.py names it). Install a lightning/torch "
-            "that pyproject.toml allows, or update compat.py"
+            "engine relies on (project/engine/compat*.py; tests/test_compat.py names it). Install a lightning/torch "
+            "that pyproject.toml allows, or update those modules"
         )
 
 

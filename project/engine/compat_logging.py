@@ -1,5 +1,5 @@
-"""The private Lightning APIs of ``self.log``, the progress bar and the loggers that the engine relies on; tests/
-test_compat.py fails, naming the attribute, on a Lightning version where one changed.
+"""The private Lightning APIs of ``self.log``, the progress bar and the loggers that the engine relies on;
+tests/test_compat.py fails, naming the attribute, on a Lightning version where one changed.
 
 - CSV writer's ``metrics_keys`` (``lightning.fabric.loggers.csv_logs._ExperimentWriter``): the columns a continued
   ``metrics.csv`` already has (``project.engine.run_loggers.keep_csv_history``).
