@@ -5,8 +5,8 @@
 A plain LightningModule (the same MLP, AdamW, the same warmup-cosine schedule stepped per step, ``self.log`` of the
 step loss and the epoch metrics), a plain ``TensorBoardLogger``, a ``ModelCheckpoint`` every 2 epochs as the blog
 saves, ``LearningRateMonitor`` as the other two sides log the rate, Lightning's TQDM progress bar, and the blog's
-loaders from ``benchmark.digits_loaders`` (same batches, same order). Nothing of ``project.engine`` runs here but
-the schedule. ``benchmark.BenchmarkTimer`` times it, over the same span as the template's.
+loaders from ``benchmark_hand.digits_loaders`` (same batches, same order). Nothing of ``project.engine`` runs here but
+the schedule. ``benchmark_timer.BenchmarkTimer`` times it, over the same span as the template's.
 """
 
 import json
@@ -17,7 +17,8 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from benchmark import BenchmarkTimer, digits_loaders  # scripts/benchmark.py, on the path it gives us
+from benchmark_hand import digits_loaders  # scripts/benchmark_hand.py, on the path benchmark.py gives us
+from benchmark_timer import BenchmarkTimer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn

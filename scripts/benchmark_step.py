@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from project.engine.compat import skip_moves_already_done
+from project.engine.compat_logging import skip_moves_already_done
 from project.engine.guards import gradients_finite
 from project.engine.host_memory import keep_freed_host_memory
 from project.engine.profiler import NoProfiler

@@ -10,7 +10,7 @@ from typing import Any, BinaryIO
 import lightning as L
 import torch
 
-from project.engine.checkpoints import AtomicCheckpointIO, wait_for_writes
+from project.engine.checkpoint_io import AtomicCheckpointIO, wait_for_writes
 from project.engine.sharded import ShardedStrategy
 
 

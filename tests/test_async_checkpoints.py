@@ -9,8 +9,9 @@ import threading
 import pytest
 import torch
 
-from project.engine.checkpoints import AtomicCheckpointIO, HostSnapshot
-from project.engine.runs import find_last_checkpoint
+from project.engine.checkpoint_io import AtomicCheckpointIO
+from project.engine.host_snapshot import HostSnapshot
+from project.engine.run_checkpoints import find_last_checkpoint
 from tests.helpers import QUIET, cli, cli_in_process
 
 # 3 epochs of 6 steps; last.ckpt every 4 optimizer steps besides the default writers (epoch ends): 4, 6, 8, 12, ...
@@ -184,7 +185,7 @@ def test_the_fast_tensor_walk_equals_lightnings_on_every_container_kind():
 
     from lightning_utilities.core.apply_func import apply_to_collection
 
-    from project.engine.checkpoints import _map_tensors
+    from project.engine.host_snapshot import _map_tensors
 
     @dataclasses.dataclass
     class Holder:

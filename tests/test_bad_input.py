@@ -188,7 +188,7 @@ def test_a_sharded_checkpoints_index_carrying_code_is_refused_unrun(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from project.engine.checkpoints import CheckpointLoadError
+    from project.engine.checkpoint_files import CheckpointLoadError
     from project.engine.sharded import full_state_dict
 
     good = tmp_path / "good"  # a real DCP folder: its index's classes are let through

@@ -1,5 +1,5 @@
-"""Each private Lightning API in project/engine/compat.py still exists and still does what the engine relies on;
-a Lightning upgrade that changes one fails here, naming it."""
+"""Each private Lightning or torch API in project/engine/compat*.py still exists and still does what the engine
+relies on; a Lightning upgrade that changes one fails here, naming it."""
 
 import ast
 import contextlib
@@ -19,12 +19,12 @@ from project.engine.compat import (
     loader_with_sampler,
     request_stop_at_batch_end,
     save_last_unless_saved_at_this_step,
-    set_csv_columns,
-    set_nested,
     shard_over_all_ranks,
     state_key_arguments,
     uses_distributed_sampler,
 )
+from project.engine.compat_logging import set_csv_columns
+from project.engine.compat_torch import set_nested
 from project.module import Classifier
 from project.nets import MLP
 
@@ -96,7 +96,7 @@ def test_model_checkpoint_state_key_holds_its_monitor_and_mode():
 
 def test_model_checkpoint_saves_last_at_the_end_once_and_not_again_at_the_same_step(tmp_path):
     from project.data import DigitsDataModule
-    from project.engine.checkpoints import load_checkpoint_file
+    from project.engine.checkpoint_files import load_checkpoint_file
 
     saves = []
 
@@ -123,7 +123,7 @@ def test_last_checkpoint_holds_the_final_step_after_a_refresh_during_the_fit(tmp
     """The default's LastCheckpoint: refreshed during the fit (here after every step: interval 0) and still at the
     final step when fit ends, as the saved global step and the weights say."""
     from project.data import DigitsDataModule
-    from project.engine.checkpoints import load_checkpoint_file
+    from project.engine.checkpoint_files import load_checkpoint_file
     from project.engine.last_checkpoint import LastCheckpoint
 
     class Interval(LastCheckpoint):  # a refresh at step 2 only, as a 10-minute interval gives on a long run
@@ -170,7 +170,7 @@ def test_result_metric_to_is_called_at_every_log_and_skipped_once_its_values_are
 
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
 
-    from project.engine.compat import skip_moves_already_done
+    from project.engine.compat_logging import skip_moves_already_done
 
     assert "self[key].to(value.device)" in inspect.getsource(_ResultCollection.log), (
         "_ResultCollection.log no longer moves the result at every call: drop compat.skip_moves_already_done"
@@ -235,7 +235,7 @@ def test_a_fit_logs_the_same_values_with_and_without_skipped_moves(tmp_path, mon
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
     from project.data import DigitsDataModule
-    from project.engine.compat import skip_moves_already_done
+    from project.engine.compat_logging import skip_moves_already_done
 
     undo = skip_moves_already_done()
     patched = _ResultMetric.to
@@ -276,20 +276,23 @@ def test_skip_moves_names_lightning_issue_and_installs_nothing_where_lightning_n
     at every call (the probe says so), nothing is replaced."""
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
-    from project.engine import compat
+    from project.engine import compat_logging
 
-    assert "#20388" in compat.skip_moves_already_done.__doc__ and "#21769" in compat.skip_moves_already_done.__doc__
-    assert compat.lightning_moves_at_every_log(), "Lightning 2.6 moves at every self.log: the probe no longer sees it"
+    doc = compat_logging.skip_moves_already_done.__doc__
+    assert "#20388" in doc and "#21769" in doc
+    assert compat_logging.lightning_moves_at_every_log(), (
+        "Lightning 2.6 moves at every self.log: the probe no longer sees it"
+    )
     own = _ResultMetric.to
-    monkeypatch.setattr(compat, "lightning_moves_at_every_log", lambda: False)  # as on a fixed Lightning
-    compat.skip_moves_already_done()()
+    monkeypatch.setattr(compat_logging, "lightning_moves_at_every_log", lambda: False)  # as on a fixed Lightning
+    compat_logging.skip_moves_already_done()()
     assert _ResultMetric.to is own
 
 
 def test_result_metric_to_takes_lightnings_path_for_a_value_it_does_not_know():
     """``_values_on`` knows ``_defaults``, ``_forward_cache``, ``_computed`` and ``value``: a result holding any other
     tensor (a Lightning that adds a field) is moved by Lightning's own ``to``, never skipped."""
-    from project.engine.compat import skip_moves_already_done
+    from project.engine.compat_logging import skip_moves_already_done
 
     undo = skip_moves_already_done()
     try:
@@ -347,7 +350,7 @@ def test_model_checkpoint_file_exists_is_replaced_on_the_instance_and_restored(t
 def test_logger_log_metrics_replaced_and_tensorboard_experiment_read(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from project.engine.compat import experiment_opened, replace_log_metrics
+    from project.engine.compat_logging import experiment_opened, replace_log_metrics
 
     logger = TensorBoardLogger(tmp_path)
     assert not experiment_opened(logger), "TensorBoardLogger._experiment no longer tells an unopened writer"
@@ -361,7 +364,7 @@ def test_logger_log_metrics_replaced_and_tensorboard_experiment_read(tmp_path):
 
 
 def test_lr_scheduler_last_lr_is_what_get_last_lr_returns():
-    from project.engine.compat import set_last_lr
+    from project.engine.compat_torch import set_last_lr
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), lambda _: 1)
     set_last_lr(scheduler, [0.25])
@@ -369,7 +372,7 @@ def test_lr_scheduler_last_lr_is_what_get_last_lr_returns():
 
 
 def test_tensor_version_counts_in_place_writes():
-    from project.engine.compat import version_counter
+    from project.engine.compat_torch import version_counter
 
     t = torch.zeros(2)
     before = version_counter(t)
@@ -385,7 +388,7 @@ def test_torch_crc32_setting_is_per_thread_so_other_threads_keep_their_checksums
     import threading
     import zipfile
 
-    from project.engine.compat import crc32_off_in_this_thread
+    from project.engine.compat_torch import crc32_off_in_this_thread
 
     inside, done, results = threading.Event(), threading.Event(), {}
 
@@ -413,7 +416,7 @@ def test_dcp_load_planner_internals_and_reader_load_id():
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from project.engine.compat import index_for_reader
+    from project.engine.compat_torch import index_for_reader
 
     planner = DefaultLoadPlanner()
     planner.set_up_planner({"a": {"b": 1}}, Metadata(state_dict_metadata={}), is_coordinator=True)
@@ -426,7 +429,7 @@ def test_dcp_load_planner_internals_and_reader_load_id():
 def test_ddp_launcher_procs_and_gloo_peer_messages():
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-    from project.engine.compat import PEER_GONE
+    from project.engine.compat_torch import PEER_GONE
     from project.engine.rank_failures import is_peer_gone
 
     launcher = _SubprocessScriptLauncher(cluster_environment=None, num_processes=2, num_nodes=1)  # type: ignore
@@ -500,12 +503,14 @@ class Logger(TensorBoardLogger):
     ]
 
 
-def test_no_engine_module_but_compat_uses_a_private_name_of_lightning_or_torch():
+def test_no_engine_module_but_the_compat_ones_uses_a_private_name_of_lightning_or_torch():
     uses = {
-        path.name: private_uses(path.read_text()) for path in sorted(ENGINE.glob("*.py")) if path.name != "compat.py"
+        path.name: private_uses(path.read_text())
+        for path in sorted(ENGINE.glob("*.py"))
+        if not path.name.startswith("compat")
     }
     found = [f"project/engine/{name}:{use}" for name, names in uses.items() for use in names]
-    assert not found, "private APIs outside project/engine/compat.py:\n" + "\n".join(found)
+    assert not found, "private APIs outside project/engine/compat*.py:\n" + "\n".join(found)
 
 
 def test_update_dataloader_rebuilds_a_loader_of_the_users_class_with_another_sampler():
@@ -535,7 +540,7 @@ def test_accelerator_connector_holds_the_use_distributed_sampler_flag():
 
 
 def test_torch_pytree_tree_map_and_tree_leaves_walk_nested_batches():
-    from project.engine.compat import tree_leaves, tree_map
+    from project.engine.compat_torch import tree_leaves, tree_map
 
     batch = {"x": torch.ones(2), "pair": (torch.zeros(1), [3])}
     assert tree_leaves(batch)[0] is batch["x"] and len(tree_leaves(batch)) == 3
@@ -592,7 +597,7 @@ def test_bar_values_are_converted_at_every_batch_end_and_read_from_staged_copies
 
     from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 
-    from project.engine.compat import _staged_bar_values, read_bar_values_without_waiting
+    from project.engine.compat_logging import _staged_bar_values, read_bar_values_without_waiting
 
     assert "convert_tensors_to_scalars(value)" in inspect.getsource(result._ResultCollection.metrics), (
         "_ResultCollection.metrics no longer converts prog_bar values: drop compat.read_bar_values_without_waiting"
@@ -620,7 +625,7 @@ def test_bar_values_are_converted_at_every_batch_end_and_read_from_staged_copies
 def test_fused_adamw_skips_its_step_on_the_device_while_found_inf_is_set():
     """``compat.skips_steps_on_device`` (torch's ``_step_supports_amp_scaling``) and the skip it stands for: weights,
     moments and step counts of a fused AdamW stay bit-equal under ``found_inf = 1``; a plain AdamW has no skip."""
-    from project.engine.compat import skips_steps_on_device
+    from project.engine.compat_torch import skips_steps_on_device
 
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)

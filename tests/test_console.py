@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from project.engine.checkpoints import check_fits
+from project.engine.checkpoint_files import check_fits
 from project.module import Classifier
 from project.nets import MLP
 from tests.helpers import DDP2, REPO, cli

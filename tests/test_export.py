@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule
 from safetensors import safe_open
 from torch import nn
 
-from project.engine.checkpoints import load_checkpoint_file
+from project.engine.checkpoint_files import load_checkpoint_file
 from project.engine.export import export
 from project.engine.weights import build
 from tests.helpers import REPO, run_onnx

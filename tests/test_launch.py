@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from project.engine.runs import find_last_checkpoint
+from project.engine.run_checkpoints import find_last_checkpoint
 from tests.helpers import DDP2, QUIET, REPO, run_dirs, scalars
 from tests.test_summary import SUMMARY
 

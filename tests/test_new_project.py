@@ -178,14 +178,14 @@ def _words(text: str, package: str = "project") -> list[str]:
 def test_a_string_or_keyword_that_only_reads_project_keeps_it(generated):
     """W&B's ``project`` key, ``project=`` keywords and prose are no references to the package (issue 26: the copy's
     ``configs/wandb.yaml`` failed with "Option 'acme_ml' is not accepted")."""
-    assert 'args["project"] = args.get("project")' in (generated / NAME / "engine" / "runs.py").read_text()
+    assert 'args["project"] = args.get("project")' in (generated / NAME / "engine" / "run_loggers.py").read_text()
     checked = 0
     for rel in sorted(p for p in template_files() if p.endswith(".py")):
         words = _words((REPO / rel).read_text())
         copy = _words((generated / re.sub(r"^project/", f"{NAME}/", rel)).read_text(), NAME)
         assert sorted(copy) == sorted(words), rel
         checked += len(words)
-    assert checked >= 2  # precondition: the template has such words (runs.py's two)
+    assert checked >= 2  # precondition: the template has such words (run_loggers.py's two)
 
 
 @pytest.mark.slow

@@ -93,7 +93,7 @@ def test_predict_writes_index_pred_and_probabilities_of_every_sample_as_the_mode
     assert [int(r[0]) for r in rows] == list(range(PREDICT_SIZE))
     # independent oracle: the checkpoint's Classifier on the test split, in this process, in one batch
     from project.data import DigitsDataModule
-    from project.engine.checkpoints import load_checkpoint_file
+    from project.engine.checkpoint_files import load_checkpoint_file
     from project.engine.weights import instantiate
     from project.module import Classifier
 

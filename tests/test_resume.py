@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from project.engine.runs import _loads, read_global_step
+from project.engine.run_checkpoints import is_loadable, read_global_step
 from tests.helpers import DDP2, QUIET, REPO, cli, newest_checkpoint, run_dirs, saved_steps, scalars
 
 pytestmark = pytest.mark.slow
@@ -181,7 +181,7 @@ def test_truncated_checkpoint_names_the_file_and_last_picks_a_good_one(uninterru
     last = newest_checkpoint(run)  # step 40 (the end of epoch 2): best 3 and every 2 epochs, one file, two names
     data = last.read_bytes()
     last.write_bytes(data[: seeded_random("truncation length").randint(1, len(data) - 1)])  # in place: both names
-    intact = [read_global_step(p) for p in (run / "checkpoints").glob("*.ckpt") if _loads(p)]
+    intact = [read_global_step(p) for p in (run / "checkpoints").glob("*.ckpt") if is_loadable(p)]
     assert max(intact) == 20  # the oracle: what is left readable (the linked name of step 40 is damaged too)
     proc = cli("fit", *BASE, "--ckpt_path", str(last), cwd=tmp_path, check=False)
     assert proc.returncode == 2

@@ -6,7 +6,7 @@ import torch
 
 from project.engine.best import best_checkpoint
 from project.engine.export import export
-from project.engine.runs import read_global_step
+from project.engine.run_checkpoints import read_global_step
 from project.engine.sharded import full_state_dict, read_meta
 from project.engine.weights import load_net
 from tests.helpers import QUIET, REPO, cli, newest_checkpoint, run_dirs, scalars

@@ -17,11 +17,12 @@ What it guarantees, and what user code does to get each guarantee:
   to a multiple of the global batch), and the engine keeps the global batch by ``accumulate_grad_batches``, or
   stops in one line naming the settings that would keep it. What cannot follow (each rank's random streams,
   BatchNorm statistics over another micro-batch) is named in the start line. User code: as for exact resume.
-- **Same run in every logger** (``runs``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
+- **Same run in every logger** (``run_loggers``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
   each step once. Nothing to do; an unknown logger class is named at start.
-- **Checkpoints that survive a kill** (``checkpoints``): written by atomic rename in the background, loaded with
-  ``weights_only``; the files of one validation are one file under their names.
-- **Speed** (``host_memory``, ``checkpoints``, ``loggers``, ``profiler``, ``compat``): a CPU step reuses the
+- **Checkpoints that survive a kill** (``checkpoint_io``, ``one_file_per_point``, ``checkpoint_files``): written by
+  atomic rename in the background, loaded with ``weights_only``; the files of one validation are one file under
+  their names.
+- **Speed** (``host_memory``, ``host_snapshot``, ``loggers``, ``profiler``, ``compat_logging``): a CPU step reuses the
   memory the last one freed; saves cost the loop only a copy to host memory; ``self.log`` and the hooks' profiling
   cost next to nothing per step. Nothing to do. Each switch that changes more than the loop is named in the start
   line (``| speed: ...``) and set for the run only (``run_scope``): once ``cli_main`` returns, signal handlers,
@@ -45,21 +46,23 @@ What it guarantees, and what user code does to get each guarantee:
   best-k ``ModelCheckpoint`` (and ``EarlyStopping`` with ``run.patience``), a sweep's objective and the run summary's
   score; a monitored key the module does not log stops the fit at the first validation's end, before training, in
   one line naming the keys it does log. User code: ``self.log`` the monitored metric, or set ``--run.monitor``.
-- **Checkpoints by name** (``runs``, ``best``, ``after_fit``): ``--ckpt_path best`` / a run folder pick the run's
-  best by its ``ModelCheckpoint``'s own record in each file, else its last, saying which; ``--run.test_after_fit``
-  tests a finished fit's best into the same run.
+- **Checkpoints by name** (``run_checkpoints``, ``best``, ``after_fit``): ``--ckpt_path best`` / a run folder pick
+  the run's best by its ``ModelCheckpoint``'s own record in each file, else its last, saying which;
+  ``--run.test_after_fit`` tests a finished fit's best into the same run.
 - **Bad input in one line** (``errors``, ``cli``): arguments, configs, checkpoints are checked before anything is
   written; an error every rank raises is printed once, by rank 0, and a run that failed before writing anything
   but its config leaves no folder. Raise ``ValueError`` with the reason from your constructors.
 - **Your model, your data** (``config``, ``export``): ``--model my.Model``/``--data my.Data`` start from that
   class's own defaults; ``scripts/export.py`` exports any module with a ``forward`` (``example_input_array``, else
   a batch of its data).
-- **Sweeps that survive a crash** (``sweep``, ``sweep_space``, ``sweep_trial``, ``sweep_report``): an Optuna study
-  whose trials are ordinary ``fit`` runs with every guarantee above; killed and restarted, it continues each trial
-  from its ``last.ckpt``. User code: log the metric the sweep monitors (``run.monitor`` unless it names another).
+- **Sweeps that survive a crash** (``sweep``, ``sweep_worker``, ``sweep_space``, ``sweep_trial``,
+  ``sweep_report``): an Optuna study whose trials are ordinary ``fit`` runs with every guarantee above; killed and
+  restarted, it continues each trial from its ``last.ckpt``. User code: log the metric the sweep monitors
+  (``run.monitor`` unless it names another).
 - **A console worth reading** (``console``, ``rank_failures``): expected warnings silenced one by one, each run
   said once by rank 0; a dead DDP rank ends the run in one line naming it, the intact checkpoint and the resume
   command. Nothing to do; ``PROJECT_VERBOSE=1`` shows every line.
-- **Private Lightning APIs** live in ``compat`` only, each tested by name (a scan of the engine's source fails on
-  one elsewhere); on a layout it does not know, the engine stops in one line naming the attribute and the version.
+- **Private Lightning APIs** live in ``compat`` (and torch's in ``compat_torch``, ``self.log``'s in
+  ``compat_logging``) only, each tested by name (a scan of the engine's source fails on one elsewhere); on a
+  layout it does not know, the engine stops in one line naming the attribute and the version.
 """

@@ -14,7 +14,7 @@ that ranks first by its own record. Hence:
 from dataclasses import dataclass
 from pathlib import Path
 
-from project.engine.checkpoints import CheckpointLoadError, load_checkpoint_file
+from project.engine.checkpoint_files import CheckpointLoadError, load_checkpoint_file
 from project.engine.compat import state_key_arguments
 from project.engine.sharded import is_sharded_checkpoint, read_meta
 

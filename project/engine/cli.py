@@ -14,7 +14,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.utilities import rank_zero_only
 
 from project.engine.after_fit import test_best
-from project.engine.checkpoints import OneFilePerPoint, check_fits
+from project.engine.checkpoint_files import check_fits
 from project.engine.compat import cli_section
 from project.engine.config import (
     SaveConfigOnce,
@@ -28,13 +28,15 @@ from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
 from project.engine.loggers import let_appended_loggers_parse
 from project.engine.monitor import CheckMonitored, monitor_callbacks
+from project.engine.one_file_per_point import OneFilePerPoint
 from project.engine.predictions import PredictionWriter
 from project.engine.profiler import NoProfiler
 from project.engine.rank_failures import RankFailures
 from project.engine.resume import ExactResume
 from project.engine.run_folder import RunFolder, discard_if_empty
+from project.engine.run_loggers import keep_csv_history, point_loggers_at
 from project.engine.run_scope import for_the_run, freeze_what_was_built
-from project.engine.runs import RunPlan, Runs, keep_csv_history, plan_run, point_loggers_at
+from project.engine.runs import RunPlan, Runs, plan_run
 from project.engine.schedule import FitScheduleToRun
 from project.engine.sharded import ShardedStrategy as Sharded
 from project.engine.sharded import check_same_network

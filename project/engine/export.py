@@ -38,8 +38,8 @@ import torch
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 
-from project.engine.checkpoints import load_checkpoint_file
-from project.engine.compat import tree_leaves, tree_map
+from project.engine.checkpoint_files import load_checkpoint_file
+from project.engine.compat_torch import tree_leaves, tree_map
 from project.engine.sharded import full_state_dict
 from project.engine.weights import build, save_net
 

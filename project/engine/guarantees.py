@@ -120,8 +120,8 @@ def speed_switches(trainer: L.Trainer) -> str:
     """`` | speed: ...``, the speed switches on in this run that change more than the loop (each set for the run and
     undone after: ``project.engine.run_scope``, ``host_memory``); empty when none is."""
     from project.engine import host_memory, run_scope
-    from project.engine.checkpoints import AtomicCheckpointIO
-    from project.engine.compat import moves_skipped
+    from project.engine.checkpoint_io import AtomicCheckpointIO
+    from project.engine.compat_logging import moves_skipped
     from project.engine.speed import SpeedSwitch
 
     on = ["malloc keeps freed memory"] if host_memory.in_force else []

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
-from project.engine.compat import skips_steps_on_device
+from project.engine.compat_torch import skips_steps_on_device
 from project.engine.signals import last_checkpoint_path
 
 READ_EVERY = 50  # optimizer steps between two host reads of the flag, where the optimizer can skip steps itself

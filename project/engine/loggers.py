@@ -8,7 +8,7 @@ from typing import Any
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from project.engine.compat import experiment_opened, replace_log_metrics
+from project.engine.compat_logging import experiment_opened, replace_log_metrics
 
 
 class ThrottledTensorBoardLogger(TensorBoardLogger):

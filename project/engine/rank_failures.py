@@ -30,8 +30,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from project.engine.compat import PEER_GONE, launched_children
-from project.engine.runs import find_last_checkpoint
+from project.engine.compat import launched_children
+from project.engine.compat_torch import PEER_GONE
+from project.engine.run_checkpoints import find_last_checkpoint
 from project.engine.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 REPORT_ENV = "PROJECT_FAILURE_REPORT"

@@ -13,7 +13,8 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from project.engine.loggers import StepGate
-from project.engine.runs import RunPlan, write_record
+from project.engine.run_loggers import write_record
+from project.engine.runs import RunPlan
 
 
 class RunFolder(Callback):

@@ -5,13 +5,13 @@
   filters removed;
 - the heap frozen out of the garbage collector's full passes (``gc.freeze``), unfrozen after; left alone when the
   caller had frozen objects of its own (no way to unfreeze only ours);
-- ``self.log``'s skipped moves (``compat.skip_moves_already_done``), Lightning's own ``_ResultMetric.to`` after;
-- progress-bar values read at a bar's refresh, from host copies (``compat.read_bar_values_without_waiting``),
+- ``self.log``'s skipped moves (``compat_logging.skip_moves_already_done``), Lightning's own ``_ResultMetric.to`` after;
+- progress-bar values read at a bar's refresh, from host copies (``compat_logging.read_bar_values_without_waiting``),
   Lightning's conversion at every batch end after;
 - the SIGINT, SIGTERM and SIGUSR1 handlers (``project.engine.signals``, Lightning's), the caller's again after.
 
 ``KeepFreedHostMemory`` (``project.engine.host_memory``), a callback, undoes its malloc setting itself; the
-checkpoint writer's CRC-32 setting is per thread (``compat.crc32_off_in_this_thread``).
+checkpoint writer's CRC-32 setting is per thread (``compat_torch.crc32_off_in_this_thread``).
 """
 
 import contextlib
@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from project.engine.compat import read_bar_values_without_waiting, skip_moves_already_done
+from project.engine.compat_logging import read_bar_values_without_waiting, skip_moves_already_done
 from project.engine.console import quiet_console
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))

@@ -10,8 +10,6 @@ version (the points logged after the checkpoint are dropped), the same MLflow an
 ``fit`` from any other checkpoint branches into a new version and never writes into the run it came from.
 """
 
-import csv
-import importlib
 import json
 import os
 import re
@@ -20,12 +18,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jsonargparse import Namespace
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
-from project.engine.best import best_checkpoint
-from project.engine.checkpoints import CheckpointLoadError, load_checkpoint_file
-from project.engine.compat import set_csv_columns
-from project.engine.sharded import is_checkpoint_folder, is_sharded_checkpoint, read_meta
+from project.engine.run_checkpoints import (
+    ResumeError,
+    checkpoints_newest_first,
+    find_best_checkpoint,
+    find_last_checkpoint,
+    is_loadable,
+    read_global_step,
+    run_of,
+)
+from project.engine.sharded import is_checkpoint_folder
 
 RUN_RECORD = "run.json"  # the run's logger ids, for a resume to continue the same MLflow/W&B run
 
@@ -75,10 +79,6 @@ class Runs:
         self.monitor, self.mode, self.save_top_k, self.patience = monitor, mode, save_top_k, patience
 
 
-class ResumeError(ValueError):
-    """A ``--ckpt_path`` that cannot be resumed from; the message names the file and what to do."""
-
-
 @dataclass
 class RunPlan:
     """What the engine decided before anything was built; every rank of a run ends up with rank 0's decision."""
@@ -110,85 +110,6 @@ def family_dir(config: Namespace) -> Path:
     data = config.get("data")
     data_class = data.get("class_path") if isinstance(data, Namespace) else None
     return Path(runs.root) / (runs.name or default_name(data_class))
-
-
-def read_global_step(path: Path) -> int:
-    """Opens a checkpoint (a file, or a sharded folder's ``meta.pt``) without unpickling code or reading its
-    tensors; raises ``ResumeError`` if unreadable."""
-    try:
-        return int((read_meta(path) if path.is_dir() else load_checkpoint_file(path, mmap=True))["global_step"])
-    except CheckpointLoadError as error:
-        raise ResumeError(str(error)) from None
-    except (KeyError, TypeError, ValueError) as error:
-        raise ResumeError(f"{path} is not a training checkpoint: no global step ({error})") from None
-
-
-def _loads(path: Path) -> bool:
-    try:
-        read_global_step(path)
-    except ResumeError:
-        return False
-    return True
-
-
-def _checkpoints_newest_first(folder: Path, *patterns: str) -> list[Path]:
-    files = [p for pattern in patterns for p in folder.glob(pattern) if p.is_file() or is_sharded_checkpoint(p)]
-    return sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)
-
-
-# Where a run's checkpoints are: ModelCheckpoint's folder, and the run folder itself for Lightning's SLURM
-# checkpoint (hpc_ckpt_N.ckpt, written into default_root_dir when SIGUSR1 announces the time limit).
-RUN_CHECKPOINTS = ("*/checkpoints/*.ckpt", "*/hpc_ckpt_*.ckpt")
-
-
-def _run_of(checkpoint: Path) -> Path:
-    parent = checkpoint.resolve().parent
-    return parent.parent if parent.name == "checkpoints" else parent
-
-
-def find_last_checkpoint(family: Path) -> tuple[Path, int] | None:
-    """The most recently written checkpoint of any run under ``family`` that loads, and its global step."""
-    for path in _checkpoints_newest_first(family, *RUN_CHECKPOINTS):
-        try:
-            return path, read_global_step(path)
-        except ResumeError as error:
-            rank_zero_warn(f"Skipping {error}")
-    return None
-
-
-def find_best_checkpoint(name: str, family: Path) -> Path:
-    """``best``: the best checkpoint of the newest run (the run ``last`` would pick); a run folder: that run's best
-    (``project.engine.best``). A run with no checkpoint saved by a monitoring ``ModelCheckpoint`` gives its newest
-    loadable one instead. Rank 0 prints which file and why; ``ResumeError`` when there is no checkpoint to give."""
-    flag = f"--ckpt_path {name}"
-    if name == "best":
-        found = find_last_checkpoint(family)
-        if found is None:
-            raise ResumeError(
-                f"{flag}: no checkpoint under {family}/*/. Train one first (python -m project fit), or give a .ckpt "
-                "file or a run folder."
-            )
-        folder = found[0].parent
-        run_dir = folder.parent if folder.name == "checkpoints" else folder  # as _run_of, but as the user wrote it
-    else:
-        run_dir = Path(name)
-    best = best_checkpoint(run_dir)
-    if best is not None:
-        scored, ranked = best
-        rank_zero_info(
-            f"{flag}: {scored.path} (best {scored.monitor} {scored.score:.4f}, mode {scored.mode}, of the {ranked} "
-            f"top-k checkpoint(s) of {run_dir})"
-        )
-        return scored.path
-    in_run = _checkpoints_newest_first(run_dir, "checkpoints/*.ckpt", "hpc_ckpt_*.ckpt")
-    newest = next((p for p in in_run if _loads(p)), None)
-    if newest is None:
-        raise ResumeError(
-            f"{flag}: {run_dir} holds no loadable checkpoint (in checkpoints/). Give a run folder "
-            f"({family}/version_N) that has one, 'best' or 'last'."
-        )
-    rank_zero_info(f"{flag}: {newest} (no ModelCheckpoint with a monitor saved a checkpoint in {run_dir}: its last)")
-    return newest
 
 
 def next_version_dir(family: Path) -> Path:
@@ -253,100 +174,13 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
         try:
             global_step = read_global_step(path)
         except ResumeError as error:
-            good = next((p for p in _checkpoints_newest_first(path.parent, "*.ckpt") if _loads(p)), None)
+            good = next((p for p in checkpoints_newest_first(path.parent, "*.ckpt") if is_loadable(p)), None)
             hint = f" The newest other checkpoint beside it is {good}." if good else ""
             raise ResumeError(f"{error}.{hint} Resume from another file, or from 'last'.") from None
         continues = path.name.startswith(("last", "hpc_ckpt_"))
-    run_dir = _run_of(path)
+    run_dir = run_of(path)
     if subcommand == "fit" and continues and run_dir.parent == family.resolve() and run_dir.name[8:].isdigit():
         record_file = run_dir / RUN_RECORD
         record = json.loads(record_file.read_text()) if record_file.is_file() else {}
         return RunPlan(family / run_dir.name, True, path, global_step, record)
     return RunPlan(next_version_dir(family), resumed_from=path, global_step=global_step)
-
-
-def _logger_class(item: Namespace) -> type | None:
-    module, _, name = str(item.get("class_path")).rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-
-
-def logger_configs(trainer_config: Namespace) -> list[Namespace]:
-    loggers = trainer_config.get("logger")
-    items = loggers if isinstance(loggers, list) else [loggers]
-    return [item for item in items if isinstance(item, Namespace) and item.get("class_path")]
-
-
-def point_loggers_at(plan: RunPlan, trainer_config: Namespace) -> list[str]:
-    """Sets each known logger's arguments so that it writes into (or continues) the planned run; returns the class
-    names of loggers it does not know, which Lightning places as they say."""
-    from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
-
-    trainer_config["default_root_dir"] = str(plan.dir)  # Lightning's folder when there is no logger
-    family, unknown = plan.dir.parent, []
-    for item in logger_configs(trainer_config):
-        cls, args = _logger_class(item), item.init_args
-        if cls is None:
-            continue
-        if issubclass(cls, (TensorBoardLogger, CSVLogger)):
-            args["save_dir"], args["name"], args["version"] = str(family.parent), family.name, plan.version
-            if issubclass(cls, TensorBoardLogger):
-                # steps >= this one were logged by the interrupted run; TensorBoard drops them from the file
-                args["purge_step"] = plan.global_step if plan.continues else None
-        elif issubclass(cls, MLFlowLogger):
-            if args.get("experiment_name") in (None, "lightning_logs"):
-                args["experiment_name"] = family.name
-            args["run_name"] = f"{family.name}/{plan.dir.name}"
-            args["run_id"] = plan.record.get("mlflow_run_id") if plan.continues else None
-        elif issubclass(cls, WandbLogger):
-            args["save_dir"] = str(plan.dir)
-            args["project"] = args.get("project") or family.name
-            args["name"] = f"{family.name}/{plan.dir.name}"
-            args["id"] = args["version"] = plan.record.get("wandb_id") if plan.continues else None
-        else:
-            unknown.append(cls.__name__)
-    return unknown
-
-
-def keep_csv_history(plan: RunPlan, loggers: list[Any]) -> None:
-    """A continued run's CSV file keeps every row before the checkpoint's step and none after it.
-
-    Lightning's CSV writer deletes ``metrics.csv`` of a folder that is not empty when it starts; called on rank 0
-    before the Trainer starts the writer, this starts it here and puts the rows back.
-    """
-    from lightning.pytorch.loggers import CSVLogger
-
-    for logger in loggers:
-        if not (plan.continues and isinstance(logger, CSVLogger)):
-            continue
-        path = Path(logger.log_dir) / "metrics.csv"
-        rows: list[dict[str, str]] = []
-        if path.is_file():
-            with open(path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if r.get("step", "") == "" or int(r["step"]) < plan.global_step]
-        writer = logger.experiment  # the writer starts and removes the file
-        if rows:
-            with open(path, "w", newline="") as f:
-                rows_writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-                rows_writer.writeheader()
-                rows_writer.writerows(rows)
-            # the columns already in the file; without them its first write drops the ones it has not seen yet
-            set_csv_columns(writer, list(rows[0]))
-
-
-def write_record(run_dir: Path, loggers: list[Any]) -> None:
-    """``run.json``: the ids a resume needs to continue the same MLflow/W&B run (atomically replaced)."""
-    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
-
-    record: dict[str, Any] = {}
-    for logger in loggers:
-        if isinstance(logger, MLFlowLogger) and logger.run_id:
-            record["mlflow_run_id"] = logger.run_id
-        elif isinstance(logger, WandbLogger):
-            record["wandb_id"] = logger.experiment.id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f"{RUN_RECORD}.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, run_dir / RUN_RECORD)

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from project.engine.compat import set_last_lr
+from project.engine.compat_torch import set_last_lr
 
 UNENDING = sys.maxsize // 2  # a horizon no run reaches
 

@@ -35,13 +35,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from project.engine.checkpoints import CheckpointLoadError, FilePath
-from project.engine.compat import (
-    configure_model_counted_as_overridden,
-    index_for_reader,
-    load_bytes_weights_only,
-    shard_over_all_ranks,
-)
+from project.engine.checkpoint_files import CheckpointLoadError, FilePath
+from project.engine.compat import configure_model_counted_as_overridden, shard_over_all_ranks
+from project.engine.compat_torch import index_for_reader, load_bytes_weights_only
 
 META = "meta.pt"  # Lightning's name for the non-tensor part (loops, callbacks, hyperparameters)
 INDEX = ".metadata"  # DCP's index of the shards, written by the coordinator once every rank has written

@@ -11,7 +11,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from project.engine.checkpoints import wait_for_writes
+from project.engine.checkpoint_io import wait_for_writes
 from project.engine.compat import request_stop_at_batch_end
 
 # Exit codes of a run stopped by a signal after saving last.ckpt: 128 + the signal's number, as a shell reports a

@@ -1,0 +1,83 @@
+"""Checkpoint files read so that a file from anywhere cannot run code, and checked against the model before a run
+starts and writes anything."""
+
+import os
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+
+FilePath = str | os.PathLike  # a path; Lightning's own alias, `_PATH`, is private
+
+
+class CheckpointLoadError(ValueError):
+    """A file that cannot be loaded as a checkpoint (or not into this model); the message names it and the fix."""
+
+
+def load_checkpoint_file(path: FilePath, mmap: bool = False, map_location: Any = "cpu") -> dict[str, Any]:
+    """``torch.load`` with ``weights_only=True``: tensors, numbers, strings and containers only, never code.
+
+    A pickle can name any function to call while it is loaded (``os.system``, ...); ``weights_only`` refuses
+    every name outside torch's allow-list. The template's own checkpoints hold nothing else. ``mmap`` reads the
+    structure now and the tensors' bytes only when they are used.
+    """
+    if not zipfile.is_zipfile(path):  # what torch.save writes since 1.6; mmap would fail with a puzzling message
+        kind = (
+            "an empty file" if os.path.getsize(path) == 0 else "not a zip archive (cut short, or another kind of file)"
+        )
+        raise CheckpointLoadError(f"{path} is not a readable checkpoint: it is {kind}")
+    try:
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        what = f"a Python object ({found[1]})" if found else "a Python object"
+        raise CheckpointLoadError(
+            f"{path} holds {what} besides tensors and plain data, and loading it could run code, so it was not "
+            "loaded. Use checkpoints you trust only; if you trust this one and the object is your own class, allow "
+            "it with torch.serialization.add_safe_globals([YourClass]) before the run"
+        ) from None
+    except Exception as error:  # a damaged archive: torch raises RuntimeError, EOFError, ... depending on where
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        raise CheckpointLoadError(
+            f"{path} is not a readable checkpoint ({type(error).__name__}: {first_line})"
+        ) from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CheckpointLoadError(
+            f"{path} is not a Lightning checkpoint: it holds a {type(checkpoint).__name__} without a 'state_dict'"
+        )
+    return checkpoint
+
+
+def check_fits(path: FilePath, module: nn.Module) -> None:
+    """Raises ``CheckpointLoadError`` listing each parameter whose shape differs (and, when the module loads
+    strictly, each one missing on either side), before a run starts and writes anything.
+
+    Lightning finds the same only after the run folder and its config exist, in a traceback of torch's list.
+    """
+    saved = load_checkpoint_file(path, mmap=True)["state_dict"]
+    full = module.state_dict()
+    here = {k: v for k, v in full.items() if isinstance(v, torch.Tensor) and not nn.parameter.is_lazy(v)}
+    problems = [
+        f"{key} is {list(saved[key].shape)} in the checkpoint, {list(value.shape)} here"
+        for key, value in here.items()
+        if isinstance(saved.get(key), torch.Tensor) and saved[key].shape != value.shape
+    ]
+    if getattr(module, "strict_loading", True):
+        missing, unexpected = sorted(full.keys() - saved.keys()), sorted(saved.keys() - full.keys())
+        problems += [f"{key} is missing from the checkpoint" for key in missing]
+        if not is_overridden("configure_model", module):  # else those layers may be built there, later
+            problems += [f"{key} is in the checkpoint only" for key in unexpected]
+    if not problems:
+        return
+    shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+    run_config = Path(path).parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt
+    fix = f"add --config {run_config}" if run_config.is_file() else "give the --model arguments of its run"
+    raise CheckpointLoadError(
+        f"{path} holds a different network from the one configured: {shown}. "
+        f"Build the network the checkpoint was saved from: {fix}"
+    )

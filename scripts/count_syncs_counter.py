@@ -1,0 +1,124 @@
+"""The counter of scripts/count_syncs.py: a ``TorchDispatchMode`` that sees each op before it runs and counts those
+that read a device value on the host, by the source the Python stack at the op names.
+"""
+
+import json
+import os
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parent.parent
+aten = torch.ops.aten
+# ops whose result the host must see: a scalar read, or an output whose size depends on the values
+HOST_VALUE_OPS = {
+    aten._local_scalar_dense.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor,
+}
+COPY_OPS = {aten._to_copy.default, aten.copy_.default}
+# (path fragment, source), by priority: the first that any frame of the stack at the op matches names the source
+# (torchmetrics called from module.py is torchmetrics'; module.py called from Lightning's loop is module.py's)
+HOST_CODE = (
+    ("/torch/optim/", "host: optimizer step counters"),
+    ("/torch/utils/data/", "host: sampler"),
+    # copies the engine staged into host memory steps before (pinned, non-blocking on a GPU): read without waiting
+    ("/project/engine/guards.py:_read_staged", "host: staged copies"),
+    ("/project/engine/compat_logging.py:_staged_bar_values", "host: staged copies"),
+)
+SOURCES = (
+    ("/torchmetrics/", "torchmetrics"),
+    ("/lightning/pytorch/callbacks/progress/", "lightning: progress bar"),
+    ("/lightning/pytorch/trainer/connectors/logger_connector/", "lightning: logging"),
+    ("/lightning/pytorch/loggers/", "lightning: logging"),
+    ("/project/engine/", "engine"),
+    ("/lightning/pytorch/callbacks/", "lightning: other callbacks"),
+    ("/project/module.py", "module.py"),
+    ("/scripts/benchmark", "the script's own code"),
+    ("/project/", "project: other"),
+    ("/lightning/", "lightning: loop"),
+)
+HOST_ONLY = tuple(source for _, source in HOST_CODE)
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the ops that read a device value on the host, by source, on the thread that installed it."""
+
+    def __init__(self, counting: Callable[[], bool], phase: Callable[[], str]) -> None:
+        super().__init__()
+        self.counting, self.phase, self.thread = counting, phase, threading.get_ident()
+        self.epoch_end = 0  # syncs outside the steps: epoch-end metrics, checkpoint decisions after validation
+        self.by_source: Counter[str] = Counter()
+        self.where: Counter[str] = Counter()  # source: the innermost frame outside torch, file:line
+        self.stalls = 0  # syncs with device work queued since the previous one: the ones a GPU makes the host wait at
+        self.work_since_sync = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if threading.get_ident() != self.thread or not self.counting():
+            return out
+        if func in HOST_VALUE_OPS or (func in COPY_OPS and _device_to_host(func, args, kwargs, out)):
+            source, owner = _source()
+            if self.phase() == "epoch end":
+                self.epoch_end += source not in HOST_ONLY
+                return out
+            self.by_source[source] += 1
+            self.where[f"{source}: {owner}"] += 1
+            if source not in HOST_ONLY:
+                self.stalls += self.work_since_sync
+                self.work_since_sync = False
+        else:
+            self.work_since_sync = True
+        return out
+
+
+def _device_to_host(func, args, kwargs, out) -> bool:  # type: ignore[no-untyped-def]
+    src = args[1] if func is aten.copy_.default else args[0]
+    dst = args[0] if func is aten.copy_.default else out
+    blocking = not kwargs.get("non_blocking", args[2] if func is aten.copy_.default and len(args) > 2 else False)
+    return src.device.type != "cpu" and dst.device.type == "cpu" and blocking
+
+
+def _source() -> tuple[str, str]:
+    """The source of the op being dispatched, and the code that read the value: the innermost frame outside torch's
+    own Python (tensor methods, this mode), as ``path:line`` from its package on."""
+    files, lines, frame = [], [], sys._getframe(2)
+    while frame is not None:
+        files.append(f"{frame.f_code.co_filename.replace(os.sep, '/')}:{frame.f_code.co_name}")
+        lines.append(frame.f_lineno)
+        frame = frame.f_back
+    i = next((i for i, f in enumerate(files) if "/torch/" not in f or any(h in f for h, _ in HOST_CODE)), 0)
+    path, function = files[i].rsplit(":", 1)
+    owner = f"{path.rsplit('site-packages/', 1)[-1].removeprefix(str(REPO) + '/')}:{lines[i]} ({function})"
+    for fragment, source in HOST_CODE:
+        if fragment in files[i]:
+            return source, owner
+    for fragment, source in SOURCES:
+        if any(fragment in f for f in files):
+            return source, owner
+    return "other", owner
+
+
+def write_counts(out: Path, counter: SyncCounter, steps: int) -> None:
+    out.write_text(
+        json.dumps(
+            {
+                "steps": steps,
+                "by_source": dict(counter.by_source),
+                "stalls": counter.stalls,
+                "epoch_end": counter.epoch_end,
+                "where": dict(counter.where),
+            }
+        )
+    )
