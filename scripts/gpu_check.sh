@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one script for a GPU machine: ~6 min expected on one H200, 11 min at most (each step
-# has a time limit; one past it is killed and reported):
+# The checks that need a GPU, as one script for a GPU machine: ~8 min expected on one H200 (steps 4-5 not yet timed
+# there; each step has a time limit; one past it is killed and reported):
 #
 #   scripts/gpu_check.sh [--cpu] [OUT_DIR]        (default OUT_DIR: gpu_check_out; run from the project folder)
 #
@@ -9,10 +9,17 @@
 # 2. throughput and memory per rank, DDP vs sharded, on an MLP of ~200M parameters (800 MB, 2.4 GB with AdamW)
 # 3. each of MLP, CNN and tests.gpu_nets.MixedOpsNet (conv, embedding, interpolation, SDPA attention) fits without
 #    an error under gpu.yaml, gpu.yaml + ddp.yaml and gpu.yaml + fsdp.yaml
+# 4. host-device syncs per optimizer step of (a) the hand loop, (b) plain Lightning, (c) the template
+#    (scripts/count_syncs.py), and their step time and samples/s (scripts/benchmark.py, on the CPU: the hand loop
+#    runs there only); both in the background from the start, the benchmark pinned to the last CPU
+# 5. a transformer (tests.gpu_nets.TinyTransformer, ~100M parameters) under gpu.yaml, torch.compile on and off:
+#    step time and model FLOPs utilisation (6 x parameters x tokens per step over the step time and the H200's
+#    ~989 TFLOPS dense bf16; PEAK_FLOPS overrides)
+# Every figure ends up in one table, OUT_DIR/table.md (scripts/gpu_check_table.py), printed at the end.
 # Uses min(2, #GPUs) devices. Every step runs even if an earlier one failed; the summary at the end lists them, the
 # logs are in OUT_DIR, and the exit code is the number of failed steps. --cpu runs the same steps on 2 CPU processes
-# with small sizes and without compile/workers (to check the script itself on a machine without a GPU; there the
-# limits are not applied: 2 shared CPU cores took 12 min).
+# with small sizes and without compile/workers (gpu.yaml without its Compile callback: OUT_DIR/gpu_nocompile.yaml),
+# to check the script itself on a machine without a GPU; there the limits are not applied.
 # PYTHON (default python) picks the interpreter.
 set -uo pipefail
 PY=${PYTHON:-python}
@@ -21,26 +28,45 @@ if [[ "${1:-}" == "--cpu" ]]; then CPU=1; shift; fi
 OUT=$(realpath -m "${1:-gpu_check_out}")
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
+rm -f "$OUT/steps.txt"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
+# gpu.yaml without torch.compile (the Compile callback): the --cpu runs, and the transformer's compile-off run
+"$PY" - "$REPO/configs/gpu.yaml" "$OUT/gpu_nocompile.yaml" <<'EOF'
+import sys
+
+import yaml
+
+config = yaml.safe_load(open(sys.argv[1]))
+callbacks = config["trainer"]["callbacks+"]
+config["trainer"]["callbacks+"] = [c for c in callbacks if c["class_path"] != "project.engine.speed.Compile"]
+assert len(config["trainer"]["callbacks+"]) == len(callbacks) - 1, "gpu.yaml has no project.engine.speed.Compile"
+open(sys.argv[2], "w").write(yaml.safe_dump(config, sort_keys=False))
+EOF
 
 QUIET=(--trainer.enable_progress_bar false --trainer.enable_model_summary false)
 if ((CPU)); then
   DEVICES=2
-  GPU=(--config "$REPO/configs/gpu.yaml" --trainer.accelerator cpu --model.compile false --data.num_workers 0
-       --data.pin_memory false --data.persistent_workers false)
+  GPU=(--config "$OUT/gpu_nocompile.yaml" --trainer.accelerator cpu --data.num_workers 0 --data.pin_memory false
+       --data.persistent_workers false)
+  NOCOMPILE=("${GPU[@]}")
   BIG=(--model.net.init_args.hidden_sizes "[1024,1024,1024]")
   STEPS=6
+  SYNC_EPOCHS=1 BENCH=(--epochs 1 --repeats 1)
+  TRANSFORMER=(--model.net.init_args.width 64 --model.net.init_args.depth 2 --model.net.init_args.heads 4)
+  T_BATCH=64 T_EPOCHS=2
 else
   NGPU=$(nvidia-smi -L | wc -l)
   DEVICES=$((NGPU < 2 ? NGPU : 2))
   GPU=(--config "$REPO/configs/gpu.yaml")
+  NOCOMPILE=(--config "$OUT/gpu_nocompile.yaml")
   BIG=(--model.net.init_args.hidden_sizes "[8192,8192,8192,8192]")
   STEPS=40
+  SYNC_EPOCHS=2 BENCH=(--epochs 4 --repeats 3 --cpus "$(($(nproc) - 1))")
+  TRANSFORMER=(--model.net.init_args.width 1024 --model.net.init_args.depth 8 --model.net.init_args.heads 16)
+  T_BATCH=256 T_EPOCHS=10  # 4 full batches an epoch (no partial one to recompile for): 40 steps
 fi
 FSDP=(--config "$REPO/configs/fsdp.yaml" --trainer.devices "$DEVICES")
 DDP=(--config "$REPO/configs/ddp.yaml" --trainer.devices "$DEVICES")
-declare -a SUMMARY=()
-FAILED=0
 
 step() {  # step NAME TIMEOUT_S CMD...: runs CMD (a shell function too) with its output in OUT/NAME.log, records
   local name=$1 limit=$(( CPU ? 3600 : $2 )) start=$SECONDS rc  # PASS or FAIL; past TIMEOUT_S its whole process group is killed
@@ -54,11 +80,10 @@ step() {  # step NAME TIMEOUT_S CMD...: runs CMD (a shell function too) with its
   wait "$pid"
   rc=$?
   kill "$watchdog" 2>/dev/null
-  if ((rc == 0)); then
-    SUMMARY+=("PASS  $name ($((SECONDS - start)) s)")
+  if ((rc == 0)); then  # one line per step in OUT/steps.txt (steps in the background too)
+    echo "PASS  $name ($((SECONDS - start)) s)" >>"$OUT/steps.txt"
   else
-    SUMMARY+=("FAIL  $name ($((SECONDS - start)) s, exit $rc): see $OUT/$name.log")
-    FAILED=$((FAILED + 1))
+    echo "FAIL  $name ($((SECONDS - start)) s, exit $rc): see $OUT/$name.log" >>"$OUT/steps.txt"
   fi
 }
 
@@ -67,6 +92,14 @@ fit() {  # fit RUN_ROOT ARGS...
   shift
   "$PY" -m project fit --run.root "$root" "${QUIET[@]}" "$@"
 }
+
+# 4. in the background, one after the other (the hand loop runs on the CPU only, so all of the benchmark does:
+#    CUDA_VISIBLE_DEVICES is emptied for it; the sync counter sees the GPU, where (b) and (c) then run)
+figures() {
+  step count_syncs 150 "$PY" "$REPO/scripts/count_syncs.py" --epochs "$SYNC_EPOCHS" --json "$OUT/syncs.json"
+  step benchmark 300 env CUDA_VISIBLE_DEVICES= "$PY" "$REPO/scripts/benchmark.py" "${BENCH[@]}"
+}
+if ((CPU)); then figures; else figures & FIGURES=$!; fi
 
 # 1. sharded fit, kill, exact resume: 2 epochs of 8 steps, last.ckpt every 3 steps, killed at step 11 (resumes
 #    from step 9, mid-epoch), compared with the uninterrupted run
@@ -130,9 +163,20 @@ step overlay_gpu 100 overlay gpu --trainer.devices 1
 step overlay_gpu_ddp 100 overlay gpu_ddp "${DDP[@]}"
 step overlay_gpu_fsdp 100 overlay gpu_fsdp "${FSDP[@]}"
 
+# 5. the transformer, torch.compile on and off (on the CPU off only: compiling there takes minutes)
+T=(--trainer.devices 1 --model.net tests.gpu_nets.TinyTransformer "${TRANSFORMER[@]}" --data.batch_size "$T_BATCH"
+   --trainer.max_epochs "$T_EPOCHS" --trainer.limit_train_batches 4 --trainer.limit_val_batches 0
+   --trainer.num_sanity_val_steps 0 --trainer.enable_checkpointing false --trainer.logger false
+   --trainer.callbacks+=tests.faults.MemoryProbe)
+((CPU)) || step transformer_compile 120 fit "$OUT/transformer" "${GPU[@]}" "${T[@]}" \
+  "--trainer.callbacks.out_dir=$OUT/transformer/compile"
+step transformer_eager 60 fit "$OUT/transformer" "${NOCOMPILE[@]}" "${T[@]}" \
+  "--trainer.callbacks.out_dir=$OUT/transformer/eager"
+[[ -n "${FIGURES:-}" ]] && wait "$FIGURES"
+
 echo
 echo "== gpu_check ($( ((CPU)) && echo "CPU fallback" || nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $DEVICES devices)"
-printf '%s\n' "${SUMMARY[@]}"
+cat "$OUT/steps.txt"
 grep -h "^exact resume:" "$OUT/sharded_exact_resume.log" 2>/dev/null
 "$PY" - "$OUT/mem" <<'EOF'
 import json
@@ -146,4 +190,8 @@ for kind in ("ddp", "sharded"):
         print(f"{r['strategy']:16} {r['rank']:>4} {r['param_mb']:>10.1f} {r['optimizer_mb']:>9.1f} "
               f"{r['peak_rss_mb']:>12.0f} {r['peak_cuda_mb']:>13.0f} {r['steps_per_s']:>8.2f}")
 EOF
-exit $FAILED
+echo
+GPU_NAME=$( ((CPU)) && echo "CPU fallback" || nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+"$PY" "$REPO/scripts/gpu_check_table.py" "$OUT" $( ((CPU)) && echo --cpu) --tokens $((T_BATCH * 64)) \
+  --peak-flops "${PEAK_FLOPS:-989e12}" --title "gpu_check ($GPU_NAME, $DEVICES devices)"
+exit "$(grep -c '^FAIL' "$OUT/steps.txt")"

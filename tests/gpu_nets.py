@@ -32,3 +32,32 @@ class MixedOpsNet(nn.Module):
         q, k, v = self.qkv(tokens).unsqueeze(1).chunk(3, dim=-1)  # (B, 1, 16, C) each: one head
         tokens = tokens + self.proj(F.scaled_dot_product_attention(q, k, v).squeeze(1))
         return self.head(tokens.mean(1))  # (B, num_classes)
+
+
+class TinyTransformer(nn.Module):
+    """A pre-norm transformer encoder over ``(B, 1, 8, 8)`` images, one token per pixel (64 tokens: a linear
+    embedding of the intensity plus a learned position), mean-pooled -> ``(B, num_classes)``. Attention through
+    ``nn.TransformerEncoderLayer`` (SDPA). For scripts/gpu_check.sh's MFU figure: its FLOPs per step are about
+    6 x parameters x tokens. Test code, not a model to train.
+
+    Args:
+        width: Model width (d_model); the feed-forward layers are 4 x as wide.
+        depth: Number of encoder layers.
+        heads: Attention heads per layer.
+        num_classes: Number of output logits.
+    """
+
+    tokens = 64  # per sample
+
+    def __init__(self, width: int = 64, depth: int = 2, heads: int = 4, num_classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Linear(1, width)
+        self.position = nn.Parameter(torch.zeros(1, self.tokens, width))
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x.flatten(1).unsqueeze(-1)) + self.position  # (B, 64, width)
+        return self.head(self.norm(self.encoder(tokens)).mean(1))  # (B, num_classes)
