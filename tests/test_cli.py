@@ -62,6 +62,8 @@ def test_lr_set_at_each_step_of_a_real_fit_is_the_formula_and_never_zero(workdir
 def test_resume_from_last_continues_the_same_run(workdir):
     common = [
         *QUIET,
+        "--trainer.log_every_n_steps",  # every step: the curves are compared step by step (the default: every 50)
+        "1",
         "--trainer.limit_val_batches",
         "2",
         "--model.warmup",

@@ -24,7 +24,8 @@ GENERATOR_MODULES = ("new_project", "template_copy", "template_renamer", "templa
 GENERATOR = (*(f"scripts/{m}.py" for m in GENERATOR_MODULES), "scripts/skeleton/")  # what makes a copy
 # What stays behind (issue 27): the generator and its tests, the benchmarks and their page of figures.
 TEMPLATE_ONLY = (*GENERATOR, "tests/test_new_project.py", "tests/test_template_update.py", "scripts/benchmark*.py",
-                 "tests/test_benchmark.py", "docs/speed.md", ".ci/test_copy.sh")  # fmt: skip
+                 "tests/test_benchmark.py", "scripts/count_syncs*.py", "tests/test_count_syncs.py", "docs/speed.md",
+                 ".ci/test_copy.sh")  # fmt: skip
 GIT_ID = {f"GIT_{r}_{k}": v for r in ("AUTHOR", "COMMITTER") for k, v in (("NAME", "T"), ("EMAIL", "t@example.org"))}
 
 sys.path.insert(0, str(SCRIPT.parent))  # as when run as a script: its modules import each other from scripts/

@@ -40,7 +40,16 @@ def test_compile_and_matmul_precision_are_set_for_the_run_and_keep_checkpoint_ke
 def test_gpu_config_trains_on_cpu_and_its_checkpoint_validates_in_a_plain_run(tmp_path):
     # bf16-mixed autocast, a compiled net, loader workers with pinned memory, all through the real CLI.
     gpu = ["--config", str(REPO / "configs" / "gpu.yaml"), "--trainer.accelerator", "cpu"]
-    short = ["--trainer.max_epochs", "2", "--trainer.limit_train_batches", "10", "--model.warmup", "1"]
+    short = [
+        "--trainer.max_epochs",
+        "2",
+        "--trainer.limit_train_batches",
+        "10",
+        "--model.warmup",
+        "1",
+        "--trainer.log_every_n_steps",
+        "1",
+    ]  # every step: the curves are compared step by step
     cli("fit", *QUIET, *short, cwd=tmp_path)  # the reference: float32, uncompiled, no workers
     cli("fit", *QUIET, *gpu, *short, cwd=tmp_path, timeout=600)
     reference, run = run_dirs(tmp_path)
