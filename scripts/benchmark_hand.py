@@ -80,7 +80,8 @@ def hand_written(spec: dict[str, Any], out: Path) -> None:
     net = MLP(hidden_sizes=spec["hidden_sizes"], dropout=spec["dropout"])
     train_loader, val_loader = digits_loaders(spec)
     n_val = len(val_loader.dataset)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
+    # fused, as the template's example: the same optimizer kernel on every side
+    optimizer = torch.optim.AdamW(net.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"], fused=True)
     warmup, total = spec["warmup"] * len(train_loader), spec["epochs"] * len(train_loader)
     scheduler = LinearWarmupCosineAnnealingLR(optimizer, warmup, total, spec["lr"] / max(warmup, 1), spec["eta_min"])
     writer = SummaryWriter("runs")
