@@ -10,10 +10,26 @@ REPO = Path(__file__).resolve().parent.parent
 # Small, quiet runs: the real Trainer and CLI, just fewer epochs and no progress bar in the logs.
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 DDP2 = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+# What the engine tests train, unless they name their own classes: the stand-in (tests/fixtures/stand_in.py), not the
+# example, so that editing or deleting the example breaks only tests/example/. Flags given after it replace it.
+STAND_IN = ["--model", "tests.fixtures.stand_in.StandIn", "--data", "tests.fixtures.stand_in.BlobsDataModule"]
+RUN_NAME = "blobs"  # runs/blobs/version_N: the run folder named after BlobsDataModule
+_TRAINS = ("fit", "validate", "test", "predict")
 
 
-def cli(*args: str, cwd: Path, timeout: float = 300, check: bool = True, env: dict | None = None):
-    """Runs ``python -m project ARGS`` in ``cwd`` (runs/ lands there) and returns the CompletedProcess."""
+def with_stand_in(args: tuple[str, ...] | list[str], example: bool = False) -> list[str]:
+    """``args`` with the stand-in's classes put after the subcommand; ``example=True``: as given (the example)."""
+    args = list(args)
+    if example or not args or args[0] not in _TRAINS:
+        return args
+    return [args[0], *STAND_IN, *args[1:]]
+
+
+def cli(*args: str, cwd: Path, timeout: float = 300, check: bool = True, env: dict | None = None,
+        example: bool = False):  # fmt: skip
+    """Runs ``python -m project ARGS`` in ``cwd`` (runs/ lands there) and returns the CompletedProcess; it trains
+    the stand-in unless ``args`` name other classes, or ``example=True`` (the base config's example)."""
+    args = with_stand_in(args, example)
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "project", *args],
@@ -37,7 +53,7 @@ def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def run_dirs(cwd: Path, name: str = "digits") -> list[Path]:
+def run_dirs(cwd: Path, name: str = RUN_NAME) -> list[Path]:
     return sorted((cwd / "runs" / name).glob("version_*"))
 
 
@@ -54,8 +70,9 @@ def saved_steps(run_dir: Path) -> dict[str, int]:
     return {p.name: torch.load(p, weights_only=True)["global_step"] for p in (run_dir / "checkpoints").glob("*.ckpt")}
 
 
-def cli_in_process(*args: str, root: Path):
-    """Runs ``python -m project ARGS`` in this process, its runs under ``root``; returns the LightningCLI.
+def cli_in_process(*args: str, root: Path, example: bool = False):
+    """Runs ``python -m project ARGS`` in this process, its runs under ``root``; returns the LightningCLI. Trains the
+    stand-in, as ``cli`` does.
 
     Single-process runs only (Lightning's ``ddp`` re-executes ``sys.argv``: DDP goes through ``cli``).
     """
@@ -64,6 +81,7 @@ def cli_in_process(*args: str, root: Path):
     from project.engine.cli import cli_main
 
     with mock.patch.object(sys, "argv", ["project"]):  # pytest's own arguments are not the CLI's
+        args = with_stand_in(args, example)
         return cli_main([args[0], "--run.root", str(root), *args[1:]])
 
 
