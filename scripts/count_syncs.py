@@ -9,6 +9,8 @@ They are counted on any machine, CPU included, by a ``TorchDispatchMode`` that s
 ``aten._local_scalar_dense`` (what ``.item()``, ``bool()`` and ``float()`` end in), ``aten.is_nonzero``,
 ``aten.equal``, the ops of data-dependent shape (``nonzero``, ``masked_select``, ``unique``...), and copies from a
 non-CPU device to the CPU. The Python stack at the op names its source (innermost frame that is not torch's own).
+On a GPU, CUDA's own count is shown beside it: ``torch.cuda.set_sync_debug_mode("warn")`` reports each call that
+synchronizes with the device ("n/a" on a machine without CUDA).
 
 Counted: the main thread, from ``on_train_start`` to ``on_train_end`` (the hand loop: its whole loop), while the
 model is in training mode, so validation is left out; per optimizer step. The steps (each batch, with the logging
@@ -117,6 +119,8 @@ def table(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         total = sum(syncs.values())
         rows[side] = {"steps": steps, "syncs_per_step": total, "stalls_per_step": r["stalls"] / steps}
         rows[side]["epoch_end_per_step"] = r["epoch_end"] / steps
+        cuda = r.get("cuda_syncs")  # None without CUDA
+        rows[side]["cuda_syncs_per_step"] = None if cuda is None else cuda / steps
         where = {w: n / steps for w, n in sorted(r["where"].items(), key=lambda kv: -kv[1])}
         rows[side]["where"] = where
         rows[side] |= {
@@ -141,6 +145,8 @@ def print_table(rows: dict[str, Any], spec: dict[str, Any]) -> None:
     print(f"{'total syncs / step':<32}" + "".join(f"{r['syncs_per_step']:>15.3f}" for r in rows.values()))
     every = [f"{r['steps_per_sync']:.1f}" if r["steps_per_sync"] else "never" for r in rows.values()]
     print(f"{'optimizer steps per sync':<32}" + "".join(f"{e:>15}" for e in every))
+    cuda = [f"{r['cuda_syncs_per_step']:.3f}" if r["cuda_syncs_per_step"] is not None else "n/a" for r in rows.values()]
+    print(f"{'CUDA syncs / step (debug mode)':<32}" + "".join(f"{c:>15}" for c in cuda))
     print(f"{'stalls / step (1st of a burst)':<32}" + "".join(f"{r['stalls_per_step']:>15.3f}" for r in rows.values()))
     ends = "".join(f"{r['epoch_end_per_step']:>15.3f}" for r in rows.values())
     print(f"{'epoch ends, per step (apart)':<32}" + ends)

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -49,10 +50,14 @@ SOURCES = (
     ("/lightning/", "lightning: loop"),
 )
 HOST_ONLY = tuple(source for _, source in HOST_CODE)
+# what torch.cuda.set_sync_debug_mode("warn") says at each synchronizing CUDA call (torch/csrc/cuda/...)
+CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 class SyncCounter(TorchDispatchMode):
-    """Counts the ops that read a device value on the host, by source, on the thread that installed it."""
+    """Counts the ops that read a device value on the host, by source, on the thread that installed it. On a GPU it
+    also counts what CUDA itself reports as a synchronization (``torch.cuda.set_sync_debug_mode("warn")``, the
+    driver's view: a second opinion on the op list above), in ``cuda_syncs``; ``None`` without CUDA."""
 
     def __init__(self, counting: Callable[[], bool], phase: Callable[[], str]) -> None:
         super().__init__()
@@ -62,6 +67,31 @@ class SyncCounter(TorchDispatchMode):
         self.where: Counter[str] = Counter()  # source: the innermost frame outside torch, file:line
         self.stalls = 0  # syncs with device work queued since the previous one: the ones a GPU makes the host wait at
         self.work_since_sync = True
+        self.cuda_syncs: int | None = None
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        if torch.cuda.is_available():
+            self.cuda_syncs, self._debug_mode = 0, torch.cuda.get_sync_debug_mode()
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
+            warnings.filterwarnings("always", message=f".*{CUDA_SYNC_WARNING}")
+            shown = warnings.showwarning
+
+            def count(message, category, *args, **kwargs):  # type: ignore[no-untyped-def]
+                if CUDA_SYNC_WARNING not in str(message):
+                    return shown(message, category, *args, **kwargs)
+                counted = threading.get_ident() == self.thread and self.counting() and self.phase() != "epoch end"
+                self.cuda_syncs += counted  # type: ignore[operator]
+
+            warnings.showwarning = count
+            torch.cuda.set_sync_debug_mode("warn")
+        return super().__enter__()
+
+    def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+        if self.cuda_syncs is not None:
+            torch.cuda.set_sync_debug_mode(self._debug_mode)
+            self._warnings.__exit__(*exc)  # the filters and showwarning as they were
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -118,6 +148,7 @@ def write_counts(out: Path, counter: SyncCounter, steps: int) -> None:
                 "by_source": dict(counter.by_source),
                 "stalls": counter.stalls,
                 "epoch_end": counter.epoch_end,
+                "cuda_syncs": counter.cuda_syncs,
                 "where": dict(counter.where),
             }
         )

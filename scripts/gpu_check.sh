@@ -10,7 +10,8 @@
 # 3. each of MLP, CNN and tests.gpu_nets.MixedOpsNet (conv, embedding, interpolation, SDPA attention) fits without
 #    an error under gpu.yaml, gpu.yaml + ddp.yaml and gpu.yaml + fsdp.yaml
 # 4. host-device syncs per optimizer step of (a) the hand loop, (b) plain Lightning, (c) the template
-#    (scripts/count_syncs.py), and their step time and samples/s (scripts/benchmark.py, on the CPU: the hand loop
+#    (scripts/count_syncs.py: the ops that read a device value, and CUDA's own count with
+#    torch.cuda.set_sync_debug_mode("warn") beside it), and their step time and samples/s (scripts/benchmark.py, on the CPU: the hand loop
 #    runs there only); both in the background from the start, the benchmark pinned to the last CPU
 # 5. a transformer (tests.gpu_nets.TinyTransformer, ~100M parameters) under gpu.yaml, torch.compile on and off:
 #    step time and model FLOPs utilisation (6 x parameters x tokens per step over the step time and the H200's

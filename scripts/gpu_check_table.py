@@ -49,6 +49,10 @@ def build(out: Path, cpu: bool, tokens: int, peak_flops: float) -> list[str]:
     for side, label in SIDES:
         r = (syncs or {}).get("sides", {}).get(side)
         row(f"syncs / optimizer step, {label}", fmt(r["syncs_per_step"]) if r else "n/a (see count_syncs.log)")
+    for side, label in SIDES:  # CUDA's own count, torch.cuda.set_sync_debug_mode("warn"): none on the CPU
+        r = (syncs or {}).get("sides", {}).get(side) or {}
+        cuda = r.get("cuda_syncs_per_step")
+        row(f"CUDA syncs / optimizer step (sync debug mode), {label}", "n/a (no CUDA)" if cuda is None else fmt(cuda))
 
     bench = last_json_line(out / "benchmark.log")
     batch = bench["spec"]["batch_size"] if bench else None

@@ -33,7 +33,7 @@ TEMPLATE_ONLY = (
     "scripts/benchmark*.py",
     "tests/test_benchmark.py",
     "scripts/count_syncs*.py",  # it runs the benchmark's hand loop and plain Lightning beside the template
-    "tests/test_count_syncs.py",
+    "tests/test_count_syncs*.py",
     "docs/speed.md",
     ".ci/test_copy.sh",
 )
