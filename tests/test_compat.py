@@ -638,3 +638,19 @@ def test_fused_adamw_skips_its_step_on_the_device_while_found_inf_is_set():
     optimizer.step()
     assert torch.equal(weight.detach(), before[0])
     assert all(torch.equal(v, before[1][k]) for k, v in optimizer.state[weight].items())
+
+
+def test_fit_loop_epoch_loop_batches_that_stepped_is_the_loggers_step_one_per_batch_not_per_optimizer_step():
+    from types import SimpleNamespace
+
+    from project.engine.compat import LightningChanged, logging_step
+    from tests.fixtures.kinds import KindData, TwoOptimizers
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3, limit_val_batches=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(TwoOptimizers(), KindData())
+    assert (logging_step(trainer), trainer.global_step) == (3, 6)  # 3 batches, 2 optimizer steps each
+    gone = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
+    with pytest.raises(LightningChanged, match=r"_batches_that_stepped.*Lightning \d"):
+        logging_step(gone)

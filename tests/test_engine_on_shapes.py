@@ -56,17 +56,6 @@ class LoggedCurvesDiffer(AssertionError):
     """A resumed run's logged curves are not the uninterrupted run's: a step lost, or logged twice."""
 
 
-# The engine drops (StepGate) and purges (TensorBoard purge_step, CSV trim) logged points by the checkpoint's
-# global_step, but Lightning logs at the count of training batches (fit_loop.epoch_loop._batches_that_stepped);
-# with two optimizer steps per batch the two differ and a resumed run drops the steps between them.
-STEPS_ARE_NOT_BATCHES = pytest.mark.xfail(
-    strict=True,
-    raises=LoggedCurvesDiffer,
-    reason="engine bug: a resume drops logged steps < checkpoint global_step, but Lightning's logging step counts "
-    "batches (_batches_that_stepped), half the global_step with two optimizers: steps between them are lost",
-)
-
-
 def final_difference(reference: Path, resumed: Path) -> float:
     """The largest difference between two runs' final weights, buffers and optimizer states."""
     ref, got = last(reference), last(resumed)
@@ -97,9 +86,7 @@ def continued(out: str, step: int) -> bool:
     return any(line.startswith("Run ") and f"(continues from step {step} of " in line for line in out.splitlines())
 
 
-@pytest.mark.parametrize(
-    "shape", [pytest.param(s, marks=STEPS_ARE_NOT_BATCHES) if SHAPES[s][4] > 1 else s for s in SHAPES]
-)
+@pytest.mark.parametrize("shape", SHAPES)
 def test_a_crashed_fit_resumes_from_mid_epoch_and_from_an_epoch_end_bitwise_equal(shape, tmp_path, capsys):
     """One process: crashed where last.ckpt is mid-epoch, resumed; crashed again where it is at an epoch's end,
     resumed to the end. The oracle: the uninterrupted run."""
@@ -144,7 +131,7 @@ def in_folder(path: Path) -> Path:
     [
         pytest.param("classify", marks=pytest.mark.long),
         pytest.param("dict_floats", marks=pytest.mark.long),
-        pytest.param("two_optimizers", marks=[pytest.mark.long, STEPS_ARE_NOT_BATCHES]),
+        pytest.param("two_optimizers", marks=pytest.mark.long),
         "batchnorm",  # DDP broadcasts rank 0's buffers: the ones its checkpoint holds
     ],
 )

@@ -29,6 +29,9 @@ attribute, on a Lightning version where one changed.
   (``count_pending_saves_as_files``, ``project.engine.one_file_per_point``).
 - The keys LightningCLI adds to ``hparams`` (``CLI_HPARAM_KEYS``, ``project.engine.summary``).
 - The ``ddp`` launcher's ``procs`` (``launched_children``, ``project.engine.rank_failures``).
+- ``fit_loop.epoch_loop._batches_that_stepped``: the step Lightning gives the loggers (one per batch that stepped,
+  whatever the optimizer steps in it), read to know which logged steps a checkpoint covers
+  (``logging_step``, ``project.engine.run_folder``).
 
 On a layout these functions do not know they raise ``LightningChanged``, one line naming the attribute and the
 Lightning (or torch) version: the engine stops rather than continue inexactly.
@@ -197,6 +200,15 @@ def count_pending_saves_as_files(callback: Any, pending: Callable[[Any, L.Traine
 
 def restore_file_exists(callback: Any) -> None:
     vars(callback).pop("file_exists", None)
+
+
+def logging_step(trainer: L.Trainer) -> int:
+    """The step Lightning passes to the loggers for the current training batch (not ``global_step``: with two
+    optimizer steps a batch, it counts batches; incremented after each batch's logging)."""
+    try:
+        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    except AttributeError:
+        raise LightningChanged("fit_loop.epoch_loop._batches_that_stepped is gone") from None
 
 
 def launched_children(trainer: L.Trainer) -> list[Any]:

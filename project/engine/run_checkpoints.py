@@ -15,15 +15,26 @@ class ResumeError(ValueError):
     """A ``--ckpt_path`` that cannot be resumed from; the message names the file and what to do."""
 
 
-def read_global_step(path: Path) -> int:
-    """Opens a checkpoint (a file, or a sharded folder's ``meta.pt``) without unpickling code or reading its
-    tensors; raises ``ResumeError`` if unreadable."""
+# The first logging step a resumed run writes, saved by project.engine.run_folder.RunFolder (absent from the
+# checkpoints of other programs and older versions: then the global step, which it equals with one optimizer)
+NEXT_LOGGING_STEP = "next_logging_step"
+
+
+def read_positions(path: Path) -> tuple[int, int]:
+    """``(global step, next logging step)`` of a checkpoint (a file, or a sharded folder's ``meta.pt``), opened
+    without unpickling code or reading its tensors; raises ``ResumeError`` if unreadable."""
     try:
-        return int((read_meta(path) if path.is_dir() else load_checkpoint_file(path, mmap=True))["global_step"])
+        checkpoint = read_meta(path) if path.is_dir() else load_checkpoint_file(path, mmap=True)
+        step = int(checkpoint["global_step"])
+        return step, int(checkpoint.get(NEXT_LOGGING_STEP, step))
     except CheckpointLoadError as error:
         raise ResumeError(str(error)) from None
     except (KeyError, TypeError, ValueError) as error:
         raise ResumeError(f"{path} is not a training checkpoint: no global step ({error})") from None
+
+
+def read_global_step(path: Path) -> int:
+    return read_positions(path)[0]
 
 
 def is_loadable(path: Path) -> bool:

@@ -12,8 +12,10 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from project.engine.compat import logging_step
 from project.engine.loggers import StepGate
 from project.engine.run_loggers import write_record
+from project.engine.run_checkpoints import NEXT_LOGGING_STEP
 from project.engine.runs import RunPlan
 
 
@@ -34,6 +36,7 @@ class RunFolder(Callback):
         self._gates: list[StepGate] = []
         self._checkpoint_step = 0  # values of steps before it may reach loggers that cannot drop points
         self._release_at_next_batch = False
+        self._batch_start: tuple[int, int] | None = None  # (logging step, global step) as the batch began
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.dir = Path(trainer.strategy.broadcast(str(self.plan.dir)))
@@ -41,7 +44,7 @@ class RunFolder(Callback):
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(self.dir / "checkpoints")
         if stage == "fit" and trainer.is_global_zero:
-            resumed_at = self.plan.global_step if self.plan.continues else 0
+            resumed_at = self.plan.log_step if self.plan.continues else 0
             self._gates = [
                 StepGate(logger, resumed_at, hold=not isinstance(logger, (TensorBoardLogger, CSVLogger)))
                 for logger in trainer.loggers
@@ -53,11 +56,24 @@ class RunFolder(Callback):
             write_record(self.dir, trainer.loggers)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        self._checkpoint_step = trainer.global_step
+        # Which logged steps the checkpoint covers: the resumed run logs from the next one on. Loggers get
+        # Lightning's logging step, which counts batches, not optimizer steps (two optimizers: half global_step).
+        checkpoint[NEXT_LOGGING_STEP] = self._checkpoint_step = self._next_logging_step(trainer, pl_module)
         self._release()
         self._release_at_next_batch = True
 
+    def _next_logging_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+        """The logging step of the batch after this checkpoint. Saved inside a batch (its end, or the validation
+        after it), Lightning has yet to count that batch: one more if it stepped. Saved after its epoch ended,
+        it has counted it."""
+        now = logging_step(trainer)
+        if self._batch_start is None or now != self._batch_start[0]:
+            return now
+        stepped = not pl_module.automatic_optimization or trainer.global_step > self._batch_start[1]
+        return now + stepped
+
     def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        self._batch_start = (logging_step(trainer), trainer.global_step)
         if self._release_at_next_batch:  # the checkpoint step's own values, which Lightning logged after saving it
             self._release()
             self._release_at_next_batch = False

@@ -45,7 +45,7 @@ def point_loggers_at(plan: RunPlan, trainer_config: Namespace) -> list[str]:
             args["save_dir"], args["name"], args["version"] = str(family.parent), family.name, plan.version
             if issubclass(cls, TensorBoardLogger):
                 # steps >= this one were logged by the interrupted run; TensorBoard drops them from the file
-                args["purge_step"] = plan.global_step if plan.continues else None
+                args["purge_step"] = plan.log_step if plan.continues else None
         elif issubclass(cls, MLFlowLogger):
             if args.get("experiment_name") in (None, "lightning_logs"):
                 args["experiment_name"] = family.name
@@ -76,7 +76,7 @@ def keep_csv_history(plan: RunPlan, loggers: list[Any]) -> None:
         rows: list[dict[str, str]] = []
         if path.is_file():
             with open(path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if r.get("step", "") == "" or int(r["step"]) < plan.global_step]
+                rows = [r for r in csv.DictReader(f) if r.get("step", "") == "" or int(r["step"]) < plan.log_step]
         writer = logger.experiment  # the writer starts and removes the file
         if rows:
             with open(path, "w", newline="") as f:

@@ -27,6 +27,7 @@ from project.engine.run_checkpoints import (
     find_last_checkpoint,
     is_loadable,
     read_global_step,
+    read_positions,
     run_of,
 )
 from project.engine.sharded import is_checkpoint_folder
@@ -88,6 +89,7 @@ class RunPlan:
     resumed_from: Path | None = None
     global_step: int | None = None
     record: dict[str, Any] = field(default_factory=dict)  # run.json of the continued run
+    log_step: int | None = None  # the loggers' step the continued run starts at (read_positions)
 
     @property
     def version(self) -> int:
@@ -182,5 +184,6 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
     if subcommand == "fit" and continues and run_dir.parent == family.resolve() and run_dir.name[8:].isdigit():
         record_file = run_dir / RUN_RECORD
         record = json.loads(record_file.read_text()) if record_file.is_file() else {}
-        return RunPlan(family / run_dir.name, True, path, global_step, record)
+        log_step = read_positions(path)[1]  # the loggers count batches, not optimizer steps
+        return RunPlan(family / run_dir.name, True, path, global_step, record, log_step)
     return RunPlan(next_version_dir(family), resumed_from=path, global_step=global_step)
