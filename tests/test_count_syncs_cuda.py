@@ -11,7 +11,7 @@ import torch
 from tests.helpers import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from count_syncs_counter import CUDA_SYNC_WARNING, SyncCounter  # noqa: E402
+from count_syncs_counter import CUDA_SYNC_WARNING, SyncCounter
 
 
 def test_cuda_sync_debug_warnings_are_counted_in_steps_only_and_the_modes_are_restored(monkeypatch, recwarn):

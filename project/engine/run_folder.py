@@ -14,8 +14,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from project.engine.compat import logging_step
 from project.engine.loggers import StepGate
-from project.engine.run_loggers import write_record
 from project.engine.run_checkpoints import NEXT_LOGGING_STEP
+from project.engine.run_loggers import write_record
 from project.engine.runs import RunPlan
 
 
