@@ -1,14 +1,16 @@
 """``--no-example``: the digits data module (the whole ``data.py``) gives way to the skeleton in
-``scripts/skeleton/`` (synthetic data in plain loaders), and the tests that mention the digits and the scripts that
-use their DataModule stay behind; the Classifier and the nets stay. Used by scripts/template_copy.py; only the
-standard library.
+``scripts/skeleton/`` (synthetic data in plain loaders), the example's tests (``tests/example/``) to the skeleton's,
+and the scripts that use the digits DataModule stay behind; the Classifier and the nets stay. Every engine test
+(``tests/test_*.py``, which trains fixtures, not the example) goes into the copy. Used by
+scripts/template_copy.py; only the standard library.
 """
 
 import ast
 import re
 from pathlib import Path
 
-EXAMPLE_WORD = "digits"  # the tests that mention it stay behind
+EXAMPLE_WORD = "digits"  # a test outside tests/example/ that mentions it is refused
+EXAMPLE_TESTS = ("tests", "example")  # the example's tests: left behind, the skeleton's put in their place
 
 
 def drop_example(texts: dict[Path, str], skeleton: Path, package: str) -> dict[str, str]:
@@ -26,13 +28,19 @@ def drop_example(texts: dict[Path, str], skeleton: Path, package: str) -> dict[s
                 raise RuntimeError(f"--no-example: expected a LightningDataModule in {rel} and a class in {path}")
             texts[rel] = path.read_text()  # the whole module: the example's data and its imports go with it
             renames.update(dict.fromkeys(removed, added[0]))
-    # Tests that mention the example go; so does any other module outside the package that uses its classes.
+    # The example's tests (tests/example/) go; the skeleton puts its own there. Every other test is the engine's and
+    # stays: one that names the example would fail in the copy, a template bug to refuse, not a file to drop.
+    # Any other module outside the package that uses the example's classes goes.
     uses = re.compile(rf"\b({'|'.join(map(re.escape, renames))})\b")
     mentions = re.compile(f"{uses.pattern}|{re.escape(EXAMPLE_WORD)}", re.I)
-    for rel in [
-        r for r in texts if r.suffix == ".py" and r.parts[0] != package and r.name not in ("conftest.py", "helpers.py")
-    ]:
-        if (mentions if rel.name.startswith("test_") else uses).search(texts[rel]):
+    for rel in [r for r in texts if r.suffix == ".py" and r.parts[0] != package]:
+        if rel.parts[:2] == EXAMPLE_TESTS:
+            if rel.name != "__init__.py":
+                del texts[rel]
+        elif rel.name.startswith("test_") and mentions.search(texts[rel]):
+            raise RuntimeError(f"--no-example: {rel} names the example but is not under tests/example/, where the "
+                               "example's tests go: move it there, or make it train tests/fixtures/")  # fmt: skip
+        elif uses.search(texts[rel]):
             del texts[rel]
     for path in skeletons:
         rel = path.relative_to(skeleton)
