@@ -13,7 +13,8 @@ import torch
 
 from project.engine.elastic import Shape, _keep
 from project.engine.loaders import ResumableSampler
-from tests.helpers import DDP2, QUIET, cli, run_dirs
+from project.engine.sharded import full_state_dict, read_meta
+from tests.helpers import DDP2, QUIET, REPO, cli, run_dirs
 
 # 90 samples padded to 96: 12 optimizer steps of 8 samples an epoch (4 per device x 2 ranks, or x 2 accumulated)
 ARGS = [*QUIET, "--model", "tests.fixtures.elastic.RecordedRegression", "--data", "tests.fixtures.elastic.ElasticData",
@@ -22,6 +23,7 @@ ARGS = [*QUIET, "--model", "tests.fixtures.elastic.RecordedRegression", "--data"
         "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
         "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
 ONE = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto"]
+SHARDED = ["--config", str(REPO / "configs" / "fsdp.yaml"), "--trainer.accelerator", "cpu"]  # FSDP2 over gloo
 STEPS_PER_EPOCH = 12
 
 
@@ -45,17 +47,30 @@ def record(folder: Path) -> dict[int, dict]:
 
 
 def last(cwd: Path) -> dict:
+    """The run's last.ckpt as ``global_step``, ``loops`` and ``tensors``: its weights and every tensor of its optimizer
+    state by name (a sharded folder consolidated on this process from every rank's shard)."""
     (run,) = run_dirs(cwd, "elastic")
-    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    path = run / "checkpoints" / "last.ckpt"
+    if path.is_dir():
+        saved = read_meta(path)
+        weights, optimizer = full_state_dict(path, "state_dict."), full_state_dict(path, "optimizer_0.")
+        tensors = {
+            **{f"weights.{k}": v for k, v in weights.items()},
+            **{f"optimizer0.{k}": v for k, v in optimizer.items()},
+        }
+        return {"global_step": saved["global_step"], "loops": saved["loops"], "tensors": tensors}
+    saved = torch.load(path, weights_only=True)
+    tensors = {f"weights.{k}": v for k, v in saved["state_dict"].items()}
+    for i, optimizer in enumerate(saved["optimizer_states"]):
+        for p, state in optimizer["state"].items():
+            tensors |= {f"optimizer{i}.{p}.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return {"global_step": saved["global_step"], "loops": saved["loops"], "tensors": tensors}
 
 
 def max_difference(a: dict, b: dict) -> float:
     """max |Δ| over the weights and every tensor of the optimizer state."""
-    tensors = [(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"]]
-    for sa, sb in zip(a["optimizer_states"], b["optimizer_states"], strict=True):
-        for p, state in sa["state"].items():
-            tensors += [(v, sb["state"][p][k]) for k, v in state.items() if isinstance(v, torch.Tensor)]
-    return max((x.double() - y.double()).abs().max().item() for x, y in tensors)
+    assert a["tensors"].keys() == b["tensors"].keys() and a["tensors"]
+    return max((v.double() - b["tensors"][k].double()).abs().max().item() for k, v in a["tensors"].items())
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +110,13 @@ def assert_same_run(steps: dict, final: dict, reference: tuple[dict, dict]) -> N
 
 
 @pytest.fixture(scope="module")
+def uninterrupted_sharded(tmp_path_factory) -> tuple[dict[int, dict], dict]:
+    cwd = tmp_path_factory.mktemp("uninterrupted_sharded")
+    cli("fit", *ARGS, *SHARDED, "--trainer.devices", "2", "--model.record", str(cwd / "rec"), cwd=cwd)
+    return record(cwd / "rec"), last(cwd)
+
+
+@pytest.fixture(scope="module")
 def shrunk(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("shrunk")
     return resumed_on_other_ranks(cwd, DDP2, ONE, kill=17)  # epoch 1, step 5 of 12
@@ -130,6 +152,18 @@ def test_a_one_rank_run_killed_mid_epoch_continues_on_two_ranks_with_the_same_gl
     assert_same_run(steps, final, uninterrupted)
     line = next(x for x in out.splitlines() if x.startswith("Run "))
     assert "elastic: 1 -> 2 rank(s): the same global batch of 8 samples" in line, line
+
+
+@pytest.mark.slow
+def test_a_sharded_two_rank_run_killed_mid_epoch_continues_on_one_rank_with_the_same_global_batches(
+    uninterrupted_sharded, tmp_path
+):
+    # the shards of the 2 ranks' DCP folder are resharded onto 1 rank, which accumulates 2 micro-batches a step
+    two, one = [*SHARDED, "--trainer.devices", "2"], [*SHARDED, "--trainer.devices", "1"]
+    steps, final, out, _ = resumed_on_other_ranks(tmp_path, two, one, kill=17)
+    assert_same_run(steps, final, uninterrupted_sharded)
+    line = next(x for x in out.splitlines() if x.startswith("Run "))
+    assert "elastic: 2 -> 1 rank(s): accumulate_grad_batches 1 -> 2 keeps the global batch of 8 samples" in line
 
 
 @pytest.mark.slow
