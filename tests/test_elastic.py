@@ -5,15 +5,18 @@ The oracle is an uninterrupted 2-rank run; every micro-batch's sample indices, n
 ``tests.fixtures.elastic`` (no dropout: the random streams of ranks are what cannot follow)."""
 
 import json
+import math
+import shutil
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from project.engine.elastic import Shape, _keep
+from project.engine.elastic import Shape, _keep, epoch_note
 from project.engine.loaders import ResumableSampler
-from tests.helpers import DDP2, QUIET, cli, run_dirs
+from project.engine.sharded import full_state_dict, read_meta
+from tests.helpers import DDP2, QUIET, REPO, cli, run_dirs
 
 # 90 samples padded to 96: 12 optimizer steps of 8 samples an epoch (4 per device x 2 ranks, or x 2 accumulated)
 ARGS = [*QUIET, "--model", "tests.fixtures.elastic.RecordedRegression", "--data", "tests.fixtures.elastic.ElasticData",
@@ -22,6 +25,7 @@ ARGS = [*QUIET, "--model", "tests.fixtures.elastic.RecordedRegression", "--data"
         "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
         "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
 ONE = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto"]
+SHARDED = ["--config", str(REPO / "configs" / "fsdp.yaml"), "--trainer.accelerator", "cpu"]  # FSDP2 over gloo
 STEPS_PER_EPOCH = 12
 
 
@@ -45,17 +49,30 @@ def record(folder: Path) -> dict[int, dict]:
 
 
 def last(cwd: Path) -> dict:
+    """The run's last.ckpt as ``global_step``, ``loops`` and ``tensors``: its weights and every tensor of its optimizer
+    state by name (a sharded folder consolidated on this process from every rank's shard)."""
     (run,) = run_dirs(cwd, "elastic")
-    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    path = run / "checkpoints" / "last.ckpt"
+    if path.is_dir():
+        saved = read_meta(path)
+        weights, optimizer = full_state_dict(path, "state_dict."), full_state_dict(path, "optimizer_0.")
+        tensors = {
+            **{f"weights.{k}": v for k, v in weights.items()},
+            **{f"optimizer0.{k}": v for k, v in optimizer.items()},
+        }
+        return {"global_step": saved["global_step"], "loops": saved["loops"], "tensors": tensors}
+    saved = torch.load(path, weights_only=True)
+    tensors = {f"weights.{k}": v for k, v in saved["state_dict"].items()}
+    for i, optimizer in enumerate(saved["optimizer_states"]):
+        for p, state in optimizer["state"].items():
+            tensors |= {f"optimizer{i}.{p}.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return {"global_step": saved["global_step"], "loops": saved["loops"], "tensors": tensors}
 
 
 def max_difference(a: dict, b: dict) -> float:
     """max |Δ| over the weights and every tensor of the optimizer state."""
-    tensors = [(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"]]
-    for sa, sb in zip(a["optimizer_states"], b["optimizer_states"], strict=True):
-        for p, state in sa["state"].items():
-            tensors += [(v, sb["state"][p][k]) for k, v in state.items() if isinstance(v, torch.Tensor)]
-    return max((x.double() - y.double()).abs().max().item() for x, y in tensors)
+    assert a["tensors"].keys() == b["tensors"].keys() and a["tensors"]
+    return max((v.double() - b["tensors"][k].double()).abs().max().item() for k, v in a["tensors"].items())
 
 
 @pytest.fixture(scope="module")
@@ -65,33 +82,58 @@ def uninterrupted(tmp_path_factory) -> tuple[dict[int, dict], dict]:
     return record(cwd / "rec"), last(cwd)
 
 
-def resumed_on_other_ranks(cwd: Path, first: list[str], then: list[str], kill: int) -> tuple[dict, dict, str, Path]:
-    """Runs ``first`` until it is killed before step ``kill``, resumes it with ``then``; returns the steps recorded
-    (the first run's before ``kill``, the resumed run's from it), the final checkpoint and the resumed run's output."""
+def killed(cwd: Path, first: list[str], kill: int, per_epoch: int = STEPS_PER_EPOCH) -> dict:
+    """Runs ``first`` until it is killed before step ``kill`` (of epochs of ``per_epoch`` steps); returns the steps it
+    recorded."""
     proc = cli("fit", *ARGS, *first, *kill_at(kill), "--model.record", str(cwd / "a"), cwd=cwd, check=False)
     assert proc.returncode != 0, proc.stderr[-2000:]
     saved = last(cwd)
     assert saved["global_step"] == kill, "precondition: the checkpoint of the step before the kill"
     at_end = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"]
-    assert at_end == (kill % STEPS_PER_EPOCH == 0), "precondition: mid-epoch, or at an epoch's last batch end"
+    assert at_end == (kill % per_epoch == 0), "precondition: mid-epoch, or at an epoch's last batch end"
     before = record(cwd / "a")
     assert sorted(before) == list(range(kill)), sorted(before)
-    resumed = cli("fit", *ARGS, *then, "--ckpt_path", "last", "--model.record", str(cwd / "b"), cwd=cwd)
+    return before
+
+
+def resumed(cwd: Path, then: list[str]) -> tuple[dict, dict, str]:
+    """Resumes the run in ``cwd`` with ``then``; returns the steps it recorded, its final checkpoint and its output."""
+    kill = last(cwd)["global_step"]
+    proc = cli("fit", *ARGS, *then, "--ckpt_path", "last", "--model.record", str(cwd / "b"), cwd=cwd)
     after = record(cwd / "b")
     assert min(after) == kill, sorted(after)
-    return {**before, **after}, last(cwd), resumed.stdout, cwd
+    return after, last(cwd), proc.stdout
 
 
-def assert_same_run(steps: dict, final: dict, reference: tuple[dict, dict]) -> None:
+def resumed_on_other_ranks(cwd: Path, first: list[str], then: list[str], kill: int) -> tuple[dict, dict, str, Path]:
+    """Runs ``first`` until it is killed before step ``kill``, resumes it with ``then``; returns the steps recorded
+    (the first run's before ``kill``, the resumed run's from it), the final checkpoint and the resumed run's output."""
+    before = killed(cwd, first, kill)
+    after, final, out = resumed(cwd, then)
+    return {**before, **after}, final, out, cwd
+
+
+def start_line(out: str) -> str:
+    return next(x for x in out.splitlines() if x.startswith("Run "))
+
+
+def assert_same_run(steps: dict, final: dict, reference: tuple[dict, dict], total: int = 30) -> None:
     ref_steps, ref_final = reference
-    assert sorted(steps) == sorted(ref_steps) == list(range(30))
+    assert sorted(steps) == sorted(ref_steps) == list(range(total))
     for step in ref_steps:
         assert steps[step]["index"] == ref_steps[step]["index"], f"step {step}: other samples"
         assert steps[step]["lr"] == ref_steps[step]["lr"] and len(steps[step]["lr"]) == 1, f"step {step}: LR"
-    assert final["global_step"] == ref_final["global_step"] == 30
+    assert final["global_step"] == ref_final["global_step"] == total
     difference = max_difference(final, ref_final)
-    print(f"max |Δ| over weights and optimizer state after 30 steps: {difference:.3g}")
+    print(f"max |Δ| over weights and optimizer state after {total} steps: {difference:.3g}")
     assert difference <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_sharded(tmp_path_factory) -> tuple[dict[int, dict], dict]:
+    cwd = tmp_path_factory.mktemp("uninterrupted_sharded")
+    cli("fit", *ARGS, *SHARDED, "--trainer.devices", "2", "--model.record", str(cwd / "rec"), cwd=cwd)
+    return record(cwd / "rec"), last(cwd)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +172,63 @@ def test_a_one_rank_run_killed_mid_epoch_continues_on_two_ranks_with_the_same_gl
     assert_same_run(steps, final, uninterrupted)
     line = next(x for x in out.splitlines() if x.startswith("Run "))
     assert "elastic: 1 -> 2 rank(s): the same global batch of 8 samples" in line, line
+
+
+@pytest.mark.slow
+def test_a_sharded_two_rank_run_killed_mid_epoch_continues_on_one_rank_with_the_same_global_batches(
+    uninterrupted_sharded, tmp_path
+):
+    # the shards of the 2 ranks' DCP folder are resharded onto 1 rank, which accumulates 2 micro-batches a step
+    two, one = [*SHARDED, "--trainer.devices", "2"], [*SHARDED, "--trainer.devices", "1"]
+    steps, final, out, _ = resumed_on_other_ranks(tmp_path, two, one, kill=17)
+    assert_same_run(steps, final, uninterrupted_sharded)
+    line = next(x for x in out.splitlines() if x.startswith("Run "))
+    assert "elastic: 2 -> 1 rank(s): accumulate_grad_batches 1 -> 2 keeps the global batch of 8 samples" in line
+
+
+@pytest.mark.slow
+def test_a_limit_on_micro_batches_ends_epochs_elsewhere_on_other_ranks_and_the_start_line_names_the_one_that_keeps_them(
+    tmp_path,
+):
+    # limit_train_batches counts each rank's micro-batches: 8 of 4 samples on 2 ranks is 64 samples (8 steps) an epoch;
+    # on 1 rank accumulating 2 the same flag is 32 samples (4 steps), and 16 keeps 64
+    epochs = ["--trainer.max_epochs", "3"]  # 3 x 8 = 24 steps, before ARGS' max_steps of 30
+    cli("fit", *ARGS, *DDP2, *epochs, "--trainer.limit_train_batches", "8", "--model.record", str(tmp_path / "rec"),
+        cwd=tmp_path)  # fmt: skip
+    reference = record(tmp_path / "rec"), last(tmp_path)
+    assert reference[1]["global_step"] == 24, "precondition: the limit, not max_steps, shapes the reference"
+    kill = 10  # epoch 1, 2 steps in
+    original = tmp_path / "original"
+    original.mkdir()
+    before = killed(original, [*DDP2, *epochs, "--trainer.limit_train_batches", "8"], kill, per_epoch=8)
+    same_flag = tmp_path / "same_flag"
+    shutil.copytree(original, same_flag)
+
+    _, final, out = resumed(same_flag, [*ONE, *epochs, "--trainer.limit_train_batches", "8"])
+    line = start_line(out)
+    assert (
+        "limit_train_batches 8 counts each rank's micro-batches: an epoch now runs 32 samples (4 steps), the "
+        "checkpoint's run 64 (8), so the global batches from this epoch's end on differ from the original run's "
+        "(--trainer.limit_train_batches 16 keeps them)"
+    ) in line, line
+    assert final["global_step"] == 16, "the flag as given: epoch 1 ends 2 steps on (at 12), epoch 2 is 4 steps"
+
+    after, final, out = resumed(original, [*ONE, *epochs, "--trainer.limit_train_batches", "16"])
+    assert "limit_train_batches" not in start_line(out)
+    assert_same_run({**before, **after}, final, reference, total=24)
+
+
+def test_the_epoch_note_says_when_an_epoch_runs_other_samples_than_the_checkpoints_and_which_limit_keeps_them():
+    one = Shape(1, 4, 2)  # micro-batches of 4 samples, global batch 8
+    assert epoch_note(1.0, 96, 96, one) is None
+    assert epoch_note(8, 32, 64, one) == (
+        "limit_train_batches 8 counts each rank's micro-batches: an epoch now runs 32 samples (4 steps), the "
+        "checkpoint's run 64 (8), so the global batches from this epoch's end on differ from the original run's "
+        "(--trainer.limit_train_batches 16 keeps them)"
+    )
+    assert "runs the whole loader, the checkpoint's run 64 (8)" in epoch_note(1.0, math.inf, 64, one)
+    wide = Shape(1, 16, 1)
+    assert "no limit on micro-batches of 16 samples over all ranks keeps them" in epoch_note(0.3, 32, 24, wide)
 
 
 @pytest.mark.slow

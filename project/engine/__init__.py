@@ -15,8 +15,9 @@ What it guarantees, and what user code does to get each guarantee:
   a run of N ranks with the same samples in the same global batches, the same optimizer steps, LR and
   ``global_step``, within float-reduction noise: the epoch's order does not depend on the number of ranks (padded
   to a multiple of the global batch), and the engine keeps the global batch by ``accumulate_grad_batches``, or
-  stops in one line naming the settings that would keep it. What cannot follow (each rank's random streams,
-  BatchNorm statistics over another micro-batch) is named in the start line. User code: as for exact resume.
+  stops in one line naming the settings that would keep it; under the sharded strategy too. What cannot follow (each
+  rank's random streams, BatchNorm statistics over another micro-batch, a ``limit_train_batches`` that now cuts the
+  epoch at other samples, with the limit that keeps them) is named in the start line. User code: as for exact resume.
 - **Same run in every logger** (``run_loggers``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
   each step once. Nothing to do; an unknown logger class is named at start.
 - **Checkpoints that survive a kill** (``checkpoint_io``, ``one_file_per_point``, ``checkpoint_files``): written by

@@ -7,9 +7,11 @@ optimizer step ``s`` trains on ``order[s*G:(s+1)*G]`` on any number of ranks tha
 ranks x ``accumulate_grad_batches``. On such a resume the engine keeps ``G`` by changing the accumulation (one
 segment of the start line says so), and rewrites Lightning's loop counters, which count each rank's micro-batches,
 to the new shape (``compat.rescale_batch_progress``). What cannot follow a change of shape is said in the start line:
-the random streams of each rank (dropout), and BatchNorm statistics over another number of samples.
+the random streams of each rank (dropout), BatchNorm statistics over another number of samples, and an epoch that
+``limit_train_batches`` (a count of micro-batches) now ends at other samples (``epoch_note``).
 """
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +88,35 @@ def _keep(saved: Shape, now: Shape) -> Shape:
         f"the checkpoint trained with a global batch of {saved}; on {now.world} rank(s) with {now.batch_size} per "
         f"device no integer accumulate_grad_batches keeps it, and the same global batches are what make the resumed "
         f"run continue the original one: {how}"
+    )
+
+
+def epoch_note(limit: int | float, samples: float, saved_samples: int, now: Shape) -> str | None:
+    """The start line's note when an epoch now runs ``samples`` over all ranks, not the ``saved_samples`` of the
+    checkpoint's run; ``None`` when they are the same.
+
+    Lightning's ``limit_train_batches`` counts each rank's micro-batches (an int: that many, a float: that share of
+    them), not samples: on a shape whose micro-batch holds other samples, the flag the checkpoint's run was given ends
+    the epoch elsewhere, and the global batches from that epoch's end on are not the original run's (nor, under
+    ``max_epochs``, is the last step). The engine leaves the flag as given, since the user may mean another limit;
+    the note names the one that keeps the checkpoint's epochs.
+    """
+    if samples == saved_samples:
+        return None
+    micro = now.world * now.batch_size
+    if saved_samples % micro == 0:
+        keeps = f"--trainer.limit_train_batches {saved_samples // micro} keeps them"
+    else:
+        keeps = f"no limit on micro-batches of {micro} samples over all ranks keeps them"
+    ran = (
+        f"{int(samples)} samples ({math.ceil(samples / now.global_batch)} steps)"
+        if samples < math.inf
+        else "the whole loader"
+    )
+    return (
+        f"limit_train_batches {limit} counts each rank's micro-batches: an epoch now runs {ran}, the checkpoint's run "
+        f"{saved_samples} ({math.ceil(saved_samples / now.global_batch)}), so the global batches from this epoch's "
+        f"end on differ from the original run's ({keeps})"
     )
 
 

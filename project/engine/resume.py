@@ -1,6 +1,7 @@
 """What a bit-exact resume needs beyond Lightning's checkpoint: every rank's RNG states, the states of the module's
 metrics mid-epoch, a fixed number of compute threads, logs flushed at saves."""
 
+import math
 import random
 from typing import Any
 
@@ -15,7 +16,7 @@ from project.engine.compat import (
     rescale_batch_progress,
     start_the_epoch_lightning_skipped,
 )
-from project.engine.elastic import Shape, has_batch_norm
+from project.engine.elastic import Shape, epoch_note, has_batch_norm
 from project.engine.sharded import ShardedStrategy
 
 
@@ -42,9 +43,10 @@ class ExactResume(Callback):
     states are gathered there; rank 0 writes them all. They are set again in ``on_train_start``: after model
     init, the sanity check and the data setup (which all draw or may draw), right before the first batch.
 
-    It also saves the run's shape (ranks, per-device batch, accumulation; ``project.engine.elastic``): a resume on
-    another number of ranks keeps the global batch (``elastic.global_batch`` sets ``elastic_note``, ``resized``),
-    rewrites the loop's micro-batch counts here, and ``notes`` says what cannot follow to the start line.
+    It also saves the run's shape (ranks, per-device batch, accumulation; ``project.engine.elastic``) and the samples
+    of one of its epochs: a resume on another number of ranks keeps the global batch (``elastic.global_batch`` sets
+    ``elastic_note``, ``resized``), rewrites the loop's micro-batch counts here, and ``notes`` says what cannot follow
+    to the start line (an epoch that ``limit_train_batches`` now ends at other samples among them).
     """
 
     def __init__(self) -> None:
@@ -52,6 +54,7 @@ class ExactResume(Callback):
         self._to_restore: list[dict[str, torch.Tensor]] | None = None
         self.shape: Shape | None = None  # this run's, set where its train loader is built
         self.saved_shape: Shape | None = None  # the checkpoint's
+        self.saved_epoch_samples: int | None = None  # what an epoch of the checkpoint's run trained, over all ranks
         self.saved_world: int | None = None  # ranks whose RNG states the checkpoint holds
         self.elastic_note: str | None = None
         self.resized: tuple[int, int] | None = None  # samples of one micro-batch over all ranks: checkpoint's, now
@@ -112,6 +115,9 @@ class ExactResume(Callback):
         trainer = self._trainer
         threads = torch.get_num_threads()
         shape = {"shape": self.shape.as_dict()} if self.shape is not None else {}
+        if self.shape is not None and trainer is not None and trainer.num_training_batches < math.inf:
+            # limit_train_batches counts micro-batches: what an epoch was in samples, for a resume on another shape
+            shape["epoch_samples"] = int(_epoch_samples(trainer, self.shape))
         trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
         if trainer is None or trainer.world_size == 1:
             return {"ranks": [_rng_tensors()], "metrics": [_metric_states(trained)], "threads": threads, **shape}
@@ -136,6 +142,7 @@ class ExactResume(Callback):
         self._metrics_to_restore = state_dict.get("metrics")  # absent from checkpoints of earlier versions
         self.saved_world = len(state_dict["ranks"])
         self.saved_shape = Shape(**state_dict["shape"]) if "shape" in state_dict else None
+        self.saved_epoch_samples = state_dict.get("epoch_samples")
         self._threads_saved = state_dict.get("threads")  # absent from checkpoints written before it was saved
 
     def notes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
@@ -156,6 +163,10 @@ class ExactResume(Callback):
                 f"{trainer.world_size}: draws from a rank's generators (dropout, augmentation) differ from the "
                 "original run from here on; randomness seeded per sample from (seed, epoch, index) follows"
             )
+        if self.saved_epoch_samples is not None and self.shape is not None and self.saved_shape != self.shape:
+            samples = _epoch_samples(trainer, self.shape)
+            note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, self.shape)
+            out += [note] if note is not None else []
         if self.resized is not None and self.resized[0] != self.resized[1] and has_batch_norm(pl_module):
             before, after = self.resized
             out.append(
@@ -174,6 +185,11 @@ class ExactResume(Callback):
             self._metrics_to_restore = None  # each rank's share of an epoch's metrics belongs to its old data split
             return
         _set_rng_tensors(ranks[trainer.global_rank])
+
+
+def _epoch_samples(trainer: L.Trainer, shape: Shape) -> float:
+    """Samples over all ranks of one training epoch, after ``limit_train_batches`` (``math.inf``: no length)."""
+    return trainer.num_training_batches * shape.world * shape.batch_size
 
 
 def _flush_loggers(trainer: L.Trainer) -> None:
