@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from project.engine.best import best_checkpoint
-from tests.helpers import QUIET, cli_in_process, scalars
+from tests.helpers import QUIET, RUN_NAME, cli_in_process, scalars, with_stand_in
 
 SMALL = [*QUIET, "--trainer.limit_train_batches", "4", "--model.net.init_args.hidden_sizes", "[32]",
          "--model.warmup", "0", "--model.lr", "0.01"]  # fmt: skip
@@ -28,7 +28,7 @@ def test_best_is_the_top_val_acc_file_across_a_resume_a_run_folder_gives_its_bes
     caplog.set_level(logging.INFO)
     cli_in_process("fit", *SMALL, "--trainer.max_epochs", "3", root=tmp_path)
     cli_in_process("fit", *SMALL, "--trainer.max_epochs", "6", "--ckpt_path", "last", root=tmp_path)
-    run = tmp_path / "digits" / "version_0"
+    run = tmp_path / RUN_NAME / "version_0"
     curve = [value for _, value in scalars(run)["val/acc"]]
     # preconditions: one run of 6 validated epochs, and save_top_k 3 has deleted the 3 files that fell out
     assert len(curve) == 6 and len(list((run / "checkpoints").glob("best-*.ckpt"))) == 3, curve
@@ -41,7 +41,7 @@ def test_best_is_the_top_val_acc_file_across_a_resume_a_run_folder_gives_its_bes
 
     # a newer run whose ModelCheckpoint never scored a file (no validation): best is its last, and says so
     cli_in_process("fit", *SMALL, "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "0", root=tmp_path)
-    newer = tmp_path / "digits" / "version_2"
+    newer = tmp_path / RUN_NAME / "version_2"
     fallback = cli_in_process("validate", *SMALL, "--ckpt_path", "best", root=tmp_path)
     assert fallback.config["validate"]["ckpt_path"] == str(newer / "checkpoints" / "last.ckpt")
     assert "its last" in picked(caplog)
@@ -52,7 +52,7 @@ def test_best_is_the_top_val_acc_file_across_a_resume_a_run_folder_gives_its_bes
     before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
     short = ["--trainer.max_epochs", "7", "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1"]
     branch = cli_in_process("fit", *SMALL, *short, "--ckpt_path", str(run), root=tmp_path)
-    assert branch.trainer.default_root_dir == str(tmp_path / "digits" / "version_5")
+    assert branch.trainer.default_root_dir == str(tmp_path / RUN_NAME / "version_5")
     assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()} == before
 
 
@@ -94,6 +94,7 @@ def parse(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["project"])
 
     def run(*args: str, root) -> tuple[int, str]:
+        args = with_stand_in(args)
         with pytest.raises(SystemExit) as exit_info:
             cli_main([args[0], "--run.root", str(root), *args[1:]])
         return exit_info.value.code, capsys.readouterr().err
@@ -105,15 +106,15 @@ def parse(monkeypatch, capsys):
     ("subcommand", "name", "words"),
     [("validate", "best", ["--ckpt_path best: no checkpoint under", "python -m project fit"]),
      ("test", "last", ["--ckpt_path last: no checkpoint under", "to test"]),
-     ("predict", "{root}/digits/version_0", ["holds no loadable checkpoint", "'best' or 'last'"]),
-     ("validate", "{root}/digits/version_9", ["no such file or run folder", "a run folder"])],
+     ("predict", "{root}/{run}/version_0", ["holds no loadable checkpoint", "'best' or 'last'"]),
+     ("validate", "{root}/{run}/version_9", ["no such file or run folder", "a run folder"])],
 )  # fmt: skip
 def test_a_bad_checkpoint_name_is_one_error_line_exit_2_and_writes_nothing(parse, tmp_path, subcommand, name, words):
-    run = tmp_path / "digits" / "version_0"
+    run = tmp_path / RUN_NAME / "version_0"
     run.mkdir(parents=True)
     (run / "config.yaml").write_text("{}\n")  # a run folder with no checkpoint (a validate run's, say)
-    code, err = parse(subcommand, "--ckpt_path", name.format(root=tmp_path), root=tmp_path)
+    code, err = parse(subcommand, "--ckpt_path", name.format(root=tmp_path, run=RUN_NAME), root=tmp_path)
     assert code == 2 and "Traceback" not in err, err
     error = err[err.rindex("error: ") :]
     assert len(error.strip().splitlines()) == 1 and all(w in error for w in words), error
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["config.yaml", "digits", "version_0"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["config.yaml", RUN_NAME, "version_0"])

@@ -19,13 +19,18 @@ from torch import nn
 from project.engine.checkpoint_files import load_checkpoint_file
 from project.engine.export import export
 from project.engine.weights import build
-from tests.helpers import REPO, run_onnx
+from tests.helpers import REPO, RUN_NAME, run_onnx, with_stand_in
 
-NETS = {"MLP": ["--model.net.hidden_sizes", "[32, 16]"], "CNN": ["--model.net", "project.nets.CNN"]}
+# the stand-in with each of its nets (tests/fixtures/stand_in.py), by class name
+NETS = {
+    "MLP": ["--model.net.hidden_sizes", "[32, 16]"],
+    "SmallCNN": ["--model.net", "tests.fixtures.stand_in.SmallCNN"],
+}
 
 
-def make_run(root: Path, model_args: list[str], family: str = "digits") -> Path:
-    """A run folder as ``fit`` leaves it: the CLI's own config.yaml and a checkpoint of that config's module.
+def make_run(root: Path, model_args: list[str], family: str = RUN_NAME, example: bool = False) -> Path:
+    """A run folder as ``fit`` leaves it: the CLI's own config.yaml and a checkpoint of that config's module (the
+    stand-in's unless ``model_args`` name another, or ``example=True``).
 
     The weights are the seeded initial ones, perturbed so that no layer is left at an identity-like default.
     """
@@ -33,7 +38,7 @@ def make_run(root: Path, model_args: list[str], family: str = "digits") -> Path:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), mock.patch.object(sys, "argv", ["project"]), pytest.raises(SystemExit):
-        cli_main(["fit", *model_args, "--print_config"])
+        cli_main(with_stand_in(["fit", *model_args, "--print_config"], example))
     config = yaml.safe_load(out.getvalue())
     torch.manual_seed(0)
     module = build(config["model"], LightningModule)
@@ -102,15 +107,15 @@ def test_safetensors_carry_the_module_recipe_and_load_with_no_pickle_as_an_ordin
     name, _, paths = exported
     with safe_open(str(paths["safetensors"]), framework="pt") as f:
         metadata = f.metadata()
-    assert metadata["class_path"] == "project.module.Classifier"
-    assert json.loads(metadata["init_args"])["net"]["class_path"] == f"project.nets.{name}"
+    assert metadata["class_path"] == "tests.fixtures.stand_in.StandIn"
+    assert json.loads(metadata["init_args"])["net"]["class_path"] == f"tests.fixtures.stand_in.{name}"
     mask = os.umask(0)
     os.umask(mask)
     assert paths["safetensors"].stat().st_mode & 0o777 == 0o666 & ~mask  # not safetensors' 0600
     # A fresh interpreter where unpickling anything fails once the classes are imported
     code = (
         "import pickle\n"  # the module's class imported first: Lightning's own imports subclass pickle's classes
-        "import torch, project.module; from project.engine.weights import load_net\n"
+        "import torch, tests.fixtures.stand_in; from project.engine.weights import load_net\n"
         "pickle.loads = pickle.load = pickle.Unpickler = torch.load = None\n"
         f"net = load_net({str(paths['safetensors'])!r}); print(net(torch.zeros(3, 1, 8, 8)).shape)"
     )
@@ -137,7 +142,7 @@ class NamedOutputNet(BranchyNet):
     """Returns a dict with a string in it: no tensor graph to export."""
 
     def forward(self, x: torch.Tensor) -> dict:  # type: ignore[override]
-        return {"logits": self.linear(x.flatten(1)), "labels": "digits"}
+        return {"logits": self.linear(x.flatten(1)), "labels": "classes"}
 
 
 @pytest.mark.parametrize(
@@ -149,7 +154,7 @@ def test_a_net_that_cannot_be_exported_gets_one_line_naming_the_format_and_the_r
     with pytest.raises(ValueError) as error:
         export(ckpt, tmp_path / "export", (fmt,))
     message = str(error.value)
-    assert message.startswith(f"{fmt} export of project.module.Classifier failed") and reason in message, message
+    assert message.startswith(f"{fmt} export of tests.fixtures.stand_in.StandIn failed") and reason in message, message
     assert "\n" not in message
     assert not (tmp_path / "export" / f"model.{fmt}").exists()
 

@@ -1,21 +1,25 @@
 """Lightning's own Trainer flags work with the engine and behave as Lightning documents them (single process, in this
 process through the real CLI)."""
 
+import math
+
 import pytest
 
 from tests.faults import Probe
-from tests.helpers import QUIET, cli_in_process
+from tests.fixtures.stand_in import SAMPLES
+from tests.helpers import QUIET, RUN_NAME, cli_in_process
 
 pytestmark = pytest.mark.slow
 
 BASE = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "2", "--model.warmup", "1"]
-BATCHES = 20  # digits train split (1259 samples) in batches of 64
+TRAIN = SAMPLES - 2 * int(SAMPLES * 0.15)  # the stand-in's train split, 15 % val and 15 % test held out: 1259 samples
+BATCHES = math.ceil(TRAIN / 64)  # in batches of 64: 20
 
 
 def run(tmp_path, *args):
     cli = cli_in_process("fit", *BASE, "--trainer.callbacks+=tests.faults.Probe", *args, root=tmp_path / "runs")
     probe = next(c for c in cli.trainer.callbacks if isinstance(c, Probe))
-    return cli.trainer, probe, tmp_path / "runs" / "digits" / "version_0"
+    return cli.trainer, probe, tmp_path / "runs" / RUN_NAME / "version_0"
 
 
 def per_epoch(probe):
@@ -86,7 +90,7 @@ CASES = {
         ["--trainer.callbacks+=StochasticWeightAveraging", "--trainer.callbacks.swa_lrs=0.001"],
         lambda t, p, d: t.global_step == 2 * BATCHES,
     ),
-    "num_workers 2": (["--data.num_workers", "2"], lambda t, p, d: per_epoch(p) == [20, 20]),
+    "num_workers 2": (["--data.num_workers", "2"], lambda t, p, d: per_epoch(p) == [BATCHES, BATCHES]),
 }
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from project.engine.run_checkpoints import find_last_checkpoint
-from tests.helpers import DDP2, QUIET, REPO, run_dirs, scalars
+from tests.helpers import DDP2, QUIET, REPO, RUN_NAME, STAND_IN, run_dirs, scalars
 from tests.test_summary import SUMMARY
 
 SCRIPTS = REPO / "scripts"
@@ -66,7 +66,7 @@ def bg(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_background_run_is_detached_and_records_its_exit_code(workdir):
-    started = bg("start", "tiny", *QUIET, *TINY, cwd=workdir)
+    started = bg("start", "tiny", *STAND_IN, *QUIET, *TINY, cwd=workdir)
     assert started.returncode == 0, started.stderr
     pid = int((workdir / "logs" / "tiny.pid").read_text())
     # A session of its own: the hangup a closing terminal sends to its session never reaches the run.
@@ -83,7 +83,7 @@ def test_background_run_is_detached_and_records_its_exit_code(workdir):
 @pytest.mark.long  # CI and make test-all; the background launcher again, with SIGHUP
 @pytest.mark.slow
 def test_background_run_ignores_hangup_and_stop_waits_for_its_exit(workdir):
-    assert bg("start", "long", *QUIET, *ENDLESS, cwd=workdir).returncode == 0
+    assert bg("start", "long", *STAND_IN, *QUIET, *ENDLESS, cwd=workdir).returncode == 0
     pid = int((workdir / "logs" / "long.pid").read_text())
     try:
         _hangup_then_stop(workdir, pid)
@@ -93,8 +93,8 @@ def test_background_run_ignores_hangup_and_stop_waits_for_its_exit(workdir):
 
 
 def _hangup_then_stop(workdir: Path, pid: int) -> None:
-    assert bg("start", "long", *QUIET, *ENDLESS, cwd=workdir).returncode == 1  # one run per name
-    folder = workdir / "runs" / "digits" / "version_0" / "checkpoints"
+    assert bg("start", "long", *STAND_IN, *QUIET, *ENDLESS, cwd=workdir).returncode == 1  # one run per name
+    folder = workdir / "runs" / RUN_NAME / "version_0" / "checkpoints"
     wait_for(lambda: any(folder.glob("*.ckpt")), 120, "the first epoch's checkpoint")  # training, handlers installed
     os.kill(pid, signal.SIGHUP)  # what logging out sends
     time.sleep(1)
@@ -123,6 +123,7 @@ def torchrun(nnodes: int, node_rank: int, port: int, nproc: int, *fit_args: str)
         f"127.0.0.1:{port}",
         "--nproc_per_node",
         str(nproc),
+        *STAND_IN,
         *QUIET,
         *TINY,
         *fit_args,
@@ -290,7 +291,7 @@ def slurm_job(tmp_path: Path, ntasks: int) -> dict[str, str]:
 def test_srun_line_trains_two_ranks_under_lightnings_slurm_detection(tmp_path):
     cpu = ["--trainer.accelerator", "cpu", "--trainer.strategy", "ddp"]
     job = subprocess.run(
-        ["bash", str(SBATCH), *QUIET, *TINY, *cpu],
+        ["bash", str(SBATCH), *STAND_IN, *QUIET, *TINY, *cpu],
         cwd=tmp_path,
         env=slurm_job(tmp_path, 2),
         capture_output=True,
@@ -309,7 +310,7 @@ def test_sigusr1_makes_lightning_checkpoint_and_requeue_and_the_requeued_job_res
     log = tmp_path / "job.log"
     with log.open("w") as out:
         job = subprocess.Popen(
-            ["bash", str(SBATCH), *QUIET, *ENDLESS, "--trainer.accelerator", "cpu"],
+            ["bash", str(SBATCH), *STAND_IN, *QUIET, *ENDLESS, "--trainer.accelerator", "cpu"],
             cwd=tmp_path,
             env=slurm_job(tmp_path, 1),
             stdout=out,
@@ -317,23 +318,23 @@ def test_sigusr1_makes_lightning_checkpoint_and_requeue_and_the_requeued_job_res
             start_new_session=True,
         )
     try:
-        checkpoints = tmp_path / "runs" / "digits" / "version_0" / "checkpoints"
+        checkpoints = tmp_path / "runs" / RUN_NAME / "version_0" / "checkpoints"
         wait_for(lambda: any(checkpoints.glob("*.ckpt")), 120, "the first epoch's checkpoint")
         job.send_signal(signal.SIGUSR1)  # what --signal=SIGUSR1@90 delivers 90 s before the time limit
         calls = tmp_path / "scontrol.calls"
         wait_for(calls.is_file, 60, "scontrol requeue")
         assert calls.read_text().split() == ["requeue", "4242"]
-        assert list((tmp_path / "runs" / "digits" / "version_0").glob("hpc_ckpt_*.ckpt"))  # in the run, not the cwd
+        assert list((tmp_path / "runs" / RUN_NAME / "version_0").glob("hpc_ckpt_*.ckpt"))  # in the run, not the cwd
         job.send_signal(signal.SIGTERM)  # what the requeue then does to the running job
         job.wait(timeout=120)
         # The requeued job runs the same line, and --ckpt_path last continues the same run folder: from last.ckpt,
         # saved at the SIGTERM, or, when it came during a validation (which saves nothing), from the newest file.
-        found = find_last_checkpoint(tmp_path / "runs" / "digits")
+        found = find_last_checkpoint(tmp_path / "runs" / RUN_NAME)
         assert found is not None, "no checkpoint to continue from"
         epochs_done = torch.load(found[0], weights_only=True)["epoch"] + 1
         one_more = ["--trainer.max_epochs", str(epochs_done + 1)]
         requeued = subprocess.run(
-            ["bash", str(SBATCH), *QUIET, *ENDLESS, "--trainer.accelerator", "cpu", *one_more],
+            ["bash", str(SBATCH), *STAND_IN, *QUIET, *ENDLESS, "--trainer.accelerator", "cpu", *one_more],
             cwd=tmp_path,
             env=slurm_job(tmp_path / "again", 1),
             capture_output=True,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from project.engine.loggers import ThrottledTensorBoardLogger
-from tests.helpers import QUIET, REPO, cli, cli_in_process, scalars
+from tests.helpers import QUIET, REPO, RUN_NAME, cli, cli_in_process, scalars
 
 
 def test_values_wait_until_a_flush_then_all_are_written_in_order(tmp_path):
@@ -92,9 +92,9 @@ def mlflow_points(run_dir, tmp_path):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id])  # one run, not two
+    (run,) = client.search_runs([client.get_experiment_by_name(RUN_NAME).experiment_id])  # one run, not two
     assert run.info.run_id == json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
-    assert run.info.run_name == "digits/version_0"
+    assert run.info.run_name == f"{RUN_NAME}/version_0"
     history = {key: client.get_metric_history(run.info.run_id, key) for key in KEYS}
     return {key: sorted((m.step, m.value) for m in metrics) for key, metrics in history.items()}
 
@@ -171,8 +171,8 @@ def test_resume_continues_the_same_run_with_each_step_logged_once(name, tmp_path
         with pytest.raises(RuntimeError, match="injected crash"):
             cli_in_process("fit", *ARGS, *args, *crash, root=root)
         assert cli_in_process("fit", *ARGS, *args, "--ckpt_path", "last", root=root).trainer.global_step == 15
-    run_dir = root / "digits" / "version_0"
-    assert [p.name for p in (root / "digits").iterdir()] == ["version_0"]  # the same folder, no second run
+    run_dir = root / RUN_NAME / "version_0"
+    assert [p.name for p in (root / RUN_NAME).iterdir()] == ["version_0"]  # the same folder, no second run
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 15
     assert (run_dir / "config.yaml").is_file() and (run_dir / "config.1.yaml").is_file()
     best = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["callbacks"]

@@ -7,19 +7,20 @@ import torch
 from jsonargparse import Namespace
 
 from project.engine.runs import default_name, plan_run
+from tests.helpers import RUN_NAME
 
 
 @pytest.mark.parametrize(
     ("class_path", "name"),
-    [("project.data.DigitsDataModule", "digits"), ("x.MNIST1DDataModule", "mnist1d"), ("x.ImageNetData", "image_net"),
-     ("x.CIFAR10", "cifar10"), (None, "runs")],
+    [("tests.fixtures.stand_in.BlobsDataModule", "blobs"), ("x.MNIST1DDataModule", "mnist1d"),
+     ("x.ImageNetData", "image_net"), ("x.CIFAR10", "cifar10"), (None, "runs")],
 )  # fmt: skip
 def test_runs_are_named_after_the_data_module(class_path, name):
     assert default_name(class_path) == name
 
 
 def config(root, ckpt_path=None):
-    return Namespace(run=Namespace(root=str(root), name=None), data=Namespace(class_path="p.DigitsDataModule"),
+    return Namespace(run=Namespace(root=str(root), name=None), data=Namespace(class_path="p.BlobsDataModule"),
                      ckpt_path=ckpt_path, trainer=Namespace(logger=None))  # fmt: skip
 
 
@@ -30,7 +31,7 @@ def save(path, step, mtime):
 
 
 def test_last_is_the_newest_checkpoint_of_any_run_slurms_included_and_fit_continues_its_run(tmp_path):
-    family = tmp_path / "digits"
+    family = tmp_path / RUN_NAME
     save(family / "version_0" / "checkpoints" / "last.ckpt", 10, 1000)
     save(family / "version_1" / "checkpoints" / "last.ckpt", 20, 2000)
     save(family / "version_1" / "hpc_ckpt_1.ckpt", 25, 3000)  # SIGUSR1 under SLURM: written into the run folder
@@ -46,7 +47,7 @@ def test_last_is_the_newest_checkpoint_of_any_run_slurms_included_and_fit_contin
 
 
 def test_last_with_no_checkpoint_starts_a_new_version(tmp_path):
-    (tmp_path / "digits" / "version_4").mkdir(parents=True)
+    (tmp_path / RUN_NAME / "version_4").mkdir(parents=True)
     cfg = config(tmp_path, "last")
-    assert plan_run(cfg, "fit").dir == tmp_path / "digits" / "version_5"
+    assert plan_run(cfg, "fit").dir == tmp_path / RUN_NAME / "version_5"
     assert cfg.ckpt_path is None

@@ -4,11 +4,9 @@ import lightning as L
 import pytest
 import torch
 
-from project.data import DigitsDataModule
 from project.engine.schedule import FitScheduleToRun
 from project.engine.speed import Compile, MatmulPrecision
-from project.module import Classifier
-from project.nets import MLP
+from tests.fixtures.stand_in import BlobsDataModule, StandIn
 from tests.helpers import QUIET, REPO, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
@@ -17,7 +15,7 @@ pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
 def test_compile_and_matmul_precision_are_set_for_the_run_and_keep_checkpoint_keys(tmp_path):
     before = torch.get_float32_matmul_precision()
     other = "medium" if before != "medium" else "high"
-    plain, fast = Classifier(MLP()), Classifier(MLP())
+    plain, fast = StandIn(), StandIn()
     seen = []
 
     class Probe(L.Callback):
@@ -29,7 +27,7 @@ def test_compile_and_matmul_precision_are_set_for_the_run_and_keep_checkpoint_ke
         enable_model_summary=False, default_root_dir=tmp_path,
         callbacks=[Compile(), MatmulPrecision(other), Probe(), FitScheduleToRun()],
     )  # fmt: skip
-    trainer.fit(fast, DigitsDataModule())
+    trainer.fit(fast, BlobsDataModule())
     assert fast.net._compiled_call_impl is not None and fast.metrics["val_acc"]._compiled_call_impl is None
     assert seen == [other] and torch.get_float32_matmul_precision() == before  # for the run only
     assert list(fast.state_dict()) == list(plain.state_dict())  # no "_orig_mod." prefix

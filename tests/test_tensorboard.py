@@ -46,7 +46,7 @@ def served(tmp_path_factory):
         text=True,
     )
     base = f"http://127.0.0.1:{port}"
-    name = run.relative_to(cwd / "runs").as_posix()  # TensorBoard's name for the run: digits/version_0
+    name = run.relative_to(cwd / "runs").as_posix()  # TensorBoard's name for the run: blobs/version_0
     try:
         deadline = time.monotonic() + 90
         while True:  # up, and done loading the run's scalars
