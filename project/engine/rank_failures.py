@@ -31,6 +31,7 @@ from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project.engine.compat import launched_children
+from project.engine.config import SWITCHABLE
 from project.engine.compat_torch import PEER_GONE
 from project.engine.run_checkpoints import find_last_checkpoint
 from project.engine.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
@@ -50,12 +51,14 @@ def is_peer_gone(error: BaseException) -> bool:
 
 
 def resume_command(argv: list[str]) -> str:
-    """``python -m project fit ARGS --ckpt_path last`` from this process's arguments, without its ``--ckpt_path``."""
+    """``python -m project fit ARGS --ckpt_path last`` from this process's arguments, without its ``--ckpt_path``
+    and without the ``--model null`` / ``--data null`` the engine put before a class (``start_from_class_defaults``):
+    the command the user typed."""
     args, skip = [], False
-    for arg in argv[1:]:
+    for i, arg in enumerate(argv[1:], start=1):
         if skip:
             skip = False
-        elif arg == "--ckpt_path":
+        elif arg == "--ckpt_path" or (arg in SWITCHABLE and argv[i + 1 : i + 2] == ["null"]):
             skip = True
         elif not arg.startswith("--ckpt_path="):
             args.append(arg)
