@@ -12,7 +12,7 @@ import torch
 from project.engine.checkpoint_io import AtomicCheckpointIO
 from project.engine.host_snapshot import HostSnapshot
 from project.engine.run_checkpoints import find_last_checkpoint
-from tests.helpers import QUIET, cli, cli_in_process
+from tests.helpers import QUIET, RUN_NAME, cli, cli_in_process
 
 # 3 epochs of 6 steps; last.ckpt every 4 optimizer steps besides the default writers (epoch ends): 4, 6, 8, 12, ...
 EVERY_4 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
@@ -51,7 +51,7 @@ def state(step: int, seed: int) -> dict:
 def test_a_file_holds_its_save_and_a_write_in_flight_is_never_picked_by_last(tmp_path):
     seed = random.randrange(2**31)
     print(f"seed {seed}")  # shown when the test fails
-    folder = tmp_path / "digits" / "version_0" / "checkpoints"
+    folder = tmp_path / RUN_NAME / "version_0" / "checkpoints"
     io = HeldWriter()
     io.release.set()
     first = state(10, seed)
@@ -74,7 +74,7 @@ def test_a_file_holds_its_save_and_a_write_in_flight_is_never_picked_by_last(tmp
     for tensor in second["state_dict"].values():
         tensor.mul_(0.5)  # the loop's next step changes the live tensors in place during the write
     assert (folder / "last.ckpt.tmp").is_file()  # precondition: a write is in flight, half of it on disk
-    found = find_last_checkpoint(tmp_path / "digits")
+    found = find_last_checkpoint(tmp_path / RUN_NAME)
     assert found is not None and found[1] == 10  # the previous complete file, never the one being written
     loaded = torch.load(folder / "last.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(loaded[k], v) for k, v in expected.items())
@@ -82,7 +82,7 @@ def test_a_file_holds_its_save_and_a_write_in_flight_is_never_picked_by_last(tmp
     io.release.set()
     io.teardown()
     assert not (folder / "best.ckpt").exists() and not list(folder.glob("*.tmp"))
-    found = find_last_checkpoint(tmp_path / "digits")
+    found = find_last_checkpoint(tmp_path / RUN_NAME)
     assert found is not None and found[1] == 20
     loaded = torch.load(folder / "last.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(loaded[k], v) for k, v in wanted.items())  # the state of the save, not of later steps
@@ -115,7 +115,7 @@ def test_saves_of_one_point_share_the_weights_copy_and_wait_only_to_refill_a_buf
 
 
 def final_weights(root) -> tuple[int, dict]:
-    saved = torch.load(root / "digits" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    saved = torch.load(root / RUN_NAME / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
     return saved["global_step"], {k: v for k, v in saved["state_dict"].items() if k.startswith("net.")}
 
 
@@ -145,7 +145,7 @@ def test_a_crash_with_a_write_in_flight_leaves_it_complete_and_resumes_exactly(r
         cli_in_process("fit", *ARGS, *slow, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=10",
                        root=tmp_path)  # fmt: skip
     assert not list(tmp_path.rglob("*.tmp"))
-    saved = torch.load(tmp_path / "digits" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    saved = torch.load(tmp_path / RUN_NAME / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 8  # written to the end although the run raised during it
     cli_in_process("fit", *ARGS, "--ckpt_path", "last", root=tmp_path)
     assert_same_weights(tmp_path, reference)
@@ -157,7 +157,7 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_file_exactl
     kill = ["--trainer.plugins", "tests.faults.KillDuringWrite", "--trainer.plugins.step", "8"]
     proc = cli("fit", *ARGS, *kill, "--run.root", "runs", cwd=tmp_path, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    folder = tmp_path / "runs" / "digits" / "version_0" / "checkpoints"
+    folder = tmp_path / "runs" / RUN_NAME / "version_0" / "checkpoints"
     assert (folder / "last.ckpt.tmp").stat().st_size > 0  # precondition: killed in the middle of the write
     proc = cli("fit", *ARGS, "--run.root", "runs", "--ckpt_path", "last", cwd=tmp_path)
     assert "(global step 6)" in proc.stdout + proc.stderr
@@ -173,7 +173,7 @@ def test_preemption_and_ctrl_c_with_a_write_in_flight_leave_a_complete_last_chec
     fault = ["--trainer.callbacks+=tests.faults.KillAt", "--trainer.callbacks.step=9", f"--trainer.callbacks.sig={sig}"]
     proc = cli("fit", *ARGS, *slow, *fault, "--run.root", "runs", cwd=tmp_path, check=False)
     assert proc.returncode == 128 + sig, proc.stderr[-2000:]
-    folder = tmp_path / "runs" / "digits" / "version_0" / "checkpoints"
+    folder = tmp_path / "runs" / RUN_NAME / "version_0" / "checkpoints"
     assert not list(folder.glob("*.tmp"))
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] in (9, 10)  # the batch in flight ends
 
@@ -307,7 +307,7 @@ def test_a_validations_files_are_one_file_equal_to_the_last_one_synchronous_save
     (best_k,) = [i for i, c in enumerate(savers) if c.monitor]
     (every_2,) = [i for i, c in enumerate(savers) if c.every_n_epochs == 2]
     best_second = best_k > every_2
-    bg, sync = (tmp_path / r / "digits" / "version_0" / "checkpoints" for r in ("bg", "sync"))
+    bg, sync = (tmp_path / r / RUN_NAME / "version_0" / "checkpoints" for r in ("bg", "sync"))
     names = sorted(p.name for p in bg.glob("*.ckpt"))
     assert names == sorted(p.name for p in sync.glob("*.ckpt"))
 
@@ -342,7 +342,7 @@ def test_two_callbacks_with_one_file_name_keep_their_files_apart_as_with_synchro
             "2", "--model.net.init_args.hidden_sizes", "[32]", "--model.warmup", "1", *same_name]  # fmt: skip
     cli_in_process("fit", *args, root=tmp_path / "bg")
     cli_in_process("fit", *args, "--trainer.plugins.background", "false", root=tmp_path / "sync")
-    bg, sync = (tmp_path / r / "digits" / "version_0" / "checkpoints" for r in ("bg", "sync"))
+    bg, sync = (tmp_path / r / RUN_NAME / "version_0" / "checkpoints" for r in ("bg", "sync"))
     names = sorted(p.name for p in bg.glob("*.ckpt"))
     kept = [f"epoch={e}-step={3 * (e + 1)}-v1.ckpt" for e in range(4)]  # the every-epoch callback's
     assert set(kept) <= set(names) and names == sorted(p.name for p in sync.glob("*.ckpt"))

@@ -25,8 +25,8 @@ from project.engine.compat import (
 )
 from project.engine.compat_logging import set_csv_columns
 from project.engine.compat_torch import set_nested
-from project.module import Classifier
-from project.nets import MLP
+from tests.fixtures.stand_in import BlobsDataModule, StandIn
+from tests.helpers import STAND_IN
 
 
 def test_trainer_signal_connector_received_sigterm_stops_every_rank_at_the_batch_end(tmp_path):
@@ -41,10 +41,8 @@ def test_trainer_signal_connector_received_sigterm_stops_every_rank_at_the_batch
     assert hasattr(trainer, "_signal_connector") and hasattr(trainer._signal_connector, "received_sigterm"), (
         "Trainer._signal_connector.received_sigterm is gone"
     )
-    from project.data import DigitsDataModule
-
     with contextlib.suppress(SIGTERMException):
-        trainer.fit(Classifier(MLP(), warmup=0), DigitsDataModule())
+        trainer.fit(StandIn(warmup=0), BlobsDataModule())
     assert trainer.global_step == 3, "setting Trainer._signal_connector.received_sigterm no longer stops the loop"
 
 
@@ -95,7 +93,6 @@ def test_model_checkpoint_state_key_holds_its_monitor_and_mode():
 
 
 def test_model_checkpoint_saves_last_at_the_end_once_and_not_again_at_the_same_step(tmp_path):
-    from project.data import DigitsDataModule
     from project.engine.checkpoint_files import load_checkpoint_file
 
     saves = []
@@ -109,7 +106,7 @@ def test_model_checkpoint_saves_last_at_the_end_once_and_not_again_at_the_same_s
     checkpoint = ModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(hours=1), save_top_k=0, save_last=True)
     trainer = L.Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, callbacks=[checkpoint, Count()], default_root_dir=tmp_path)  # fmt: skip
-    trainer.fit(Classifier(MLP(), warmup=0), DigitsDataModule())
+    trainer.fit(StandIn(warmup=0), BlobsDataModule())
     assert saves == [3] and load_checkpoint_file(tmp_path / "last.ckpt")["global_step"] == 3
     save_last_unless_saved_at_this_step(checkpoint, trainer)
     assert saves == [3], "ModelCheckpoint._should_skip_saving_checkpoint no longer skips a step already saved"
@@ -122,7 +119,6 @@ def test_model_checkpoint_saves_last_at_the_end_once_and_not_again_at_the_same_s
 def test_last_checkpoint_holds_the_final_step_after_a_refresh_during_the_fit(tmp_path):
     """The default's LastCheckpoint: refreshed during the fit (here after every step: interval 0) and still at the
     final step when fit ends, as the saved global step and the weights say."""
-    from project.data import DigitsDataModule
     from project.engine.checkpoint_files import load_checkpoint_file
     from project.engine.last_checkpoint import LastCheckpoint
 
@@ -131,10 +127,10 @@ def test_last_checkpoint_holds_the_final_step_after_a_refresh_during_the_fit(tmp
             if trainer.global_step == 2:
                 super().on_train_batch_end(trainer, *args)
 
-    model = Classifier(MLP(), warmup=0)
+    model = StandIn(warmup=0)
     trainer = L.Trainer(max_steps=5, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, callbacks=[Interval(timedelta(0), dirpath=str(tmp_path))])  # fmt: skip
-    trainer.fit(model, DigitsDataModule())
+    trainer.fit(model, BlobsDataModule())
     saved = load_checkpoint_file(tmp_path / "last.ckpt")
     assert saved["global_step"] == 5
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
@@ -234,7 +230,6 @@ def test_a_fit_logs_the_same_values_with_and_without_skipped_moves(tmp_path, mon
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
-    from project.data import DigitsDataModule
     from project.engine.compat_logging import skip_moves_already_done
 
     undo = skip_moves_already_done()
@@ -246,7 +241,7 @@ def test_a_fit_logs_the_same_values_with_and_without_skipped_moves(tmp_path, mon
         trainer = L.Trainer(max_epochs=2, limit_train_batches=6, limit_val_batches=2, log_every_n_steps=1,
                             logger=CSVLogger(tmp_path, name=name), enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-        trainer.fit(Classifier(MLP(), warmup=1), DigitsDataModule())
+        trainer.fit(StandIn(warmup=1), BlobsDataModule())
         return (tmp_path / name / "version_0" / "metrics.csv").read_text()
 
     monkeypatch.setattr(_ResultMetric, "to", patched)
@@ -267,8 +262,8 @@ def test_the_default_profiler_profiles_nothing_at_no_cost_and_a_chosen_one_still
     with profiler.profile("a"), profiler.profile("b"):  # nested, as Lightning's hooks are
         pass
     assert isinstance(profiler, PassThroughProfiler) and profiler.summary() == ""
-    assert type(cli_main([], run=False).trainer.profiler) is NoProfiler
-    assert type(cli_main(["--trainer.profiler", "simple"], run=False).trainer.profiler) is SimpleProfiler
+    assert type(cli_main(STAND_IN, run=False).trainer.profiler) is NoProfiler
+    assert type(cli_main([*STAND_IN, "--trainer.profiler", "simple"], run=False).trainer.profiler) is SimpleProfiler
 
 
 def test_skip_moves_names_lightning_issue_and_installs_nothing_where_lightning_no_longer_moves(monkeypatch):
@@ -442,7 +437,7 @@ def test_lightning_cli_hparam_keys_are_the_ones_the_summary_leaves_out():
     from project.engine.cli import cli_main
     from project.engine.compat import CLI_HPARAM_KEYS
 
-    cli = cli_main([], run=False)
+    cli = cli_main(STAND_IN, run=False)
     added = {k for k in (*cli.model.hparams_initial, *cli.datamodule.hparams_initial) if k.startswith("_")}
     assert added == set(CLI_HPARAM_KEYS), f"LightningCLI's hparam keys are now {sorted(added)}"
 
@@ -557,7 +552,7 @@ def test_model_parallel_setup_checks_configure_model_on_the_instance_and_the_shi
     from project.engine.compat import configure_model_counted_as_overridden
 
     assert 'is_overridden("configure_model", self.lightning_module)' in inspect.getsource(ModelParallelStrategy.setup)
-    module = Classifier(MLP())
+    module = StandIn()
     assert not is_overridden("configure_model", module)
     with configure_model_counted_as_overridden(module):
         assert is_overridden("configure_model", module)

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from project.engine.checkpoint_files import check_fits
-from project.module import Classifier
-from project.nets import MLP
-from tests.helpers import DDP2, REPO, cli
+from tests.fixtures.stand_in import StandIn
+from tests.helpers import DDP2, REPO, RUN_NAME, STAND_IN, cli, with_stand_in
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +55,8 @@ for verbose, args in {runs!r}:
 """
 LIMITS = ["--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches",
           "2", "--trainer.limit_predict_batches", "2"]  # fmt: skip
+# The stand-in's: its MLP 64-256-256-10 has 85,002 parameters (0.340 MB in float32), and its 17 submodules are the
+# net's 10 (MLP, Sequential, Flatten and 3 Linear, 2 ReLU, 2 Dropout) and the metrics' 7 (a ModuleDict of 6).
 SUMMARY = [TABLE] * 6 + [
     r"Trainable params: 85\.0 K",
     r"Non-trainable params: 0",
@@ -70,8 +71,8 @@ LOGGER = "ThrottledTensorBoardLogger"
 
 
 def evaluation(stage: str, version: int) -> list[str]:
-    ckpt = r"runs/digits/version_0/checkpoints/last\.ckpt"
-    start = rf"Run runs/digits/version_{version} \({stage} of {ckpt}, step 2\) \| 1 x cpu \| logs: {LOGGER}"
+    ckpt = rf"runs/{RUN_NAME}/version_0/checkpoints/last\.ckpt"
+    start = rf"Run runs/{RUN_NAME}/version_{version} \({stage} of {ckpt}, step 2\) \| 1 x cpu \| logs: {LOGGER}"
     return [rf"=== {stage}", start]
 
 
@@ -85,18 +86,18 @@ SPEED = (
 EXPECTED = [
     "=== fit",
     *SUMMARY,
-    rf"Run runs/digits/version_0 \(fresh\) \| 1 x cpu \| exact resume: yes, also mid-epoch \| logs: {LOGGER}"
+    rf"Run runs/{RUN_NAME}/version_0 \(fresh\) \| 1 x cpu \| exact resume: yes, also mid-epoch \| logs: {LOGGER}"
     + re.escape(SPEED),
     r"LR schedule: warmup \(2 epochs = 4 steps\) is longer than this run \(2 steps\): warmup shortened to 2 steps,"
     r" no cosine decay",
-    r"Run summary: best val/acc 0\.\d{4} \| best checkpoint runs/digits/version_0/checkpoints/best-epoch000-step\d+"
-    r"\.ckpt \| run folder runs/digits/version_0",
+    rf"Run summary: best val/acc 0\.\d{{4}} \| best checkpoint runs/{RUN_NAME}/version_0/checkpoints/best-epoch000-step"
+    rf"\d+\.ckpt \| run folder runs/{RUN_NAME}/version_0",
     *evaluation("validate", 1),
     *RESULTS,
     *evaluation("test", 2),
     *RESULTS,
     *evaluation("predict", 3),
-    r"Predictions of 128 samples: runs/digits/version_3/predictions\.csv and \.pt",
+    rf"Predictions of 128 samples: runs/{RUN_NAME}/version_3/predictions\.csv and \.pt",
 ]  # fmt: skip
 # What PROJECT_VERBOSE=1 brings back: proof that each silenced message still exists (else its filter is stale).
 VERBOSE_ONLY = [
@@ -114,10 +115,10 @@ VERBOSE_ONLY = [
 
 
 def test_console_of_each_subcommand_is_every_line_worth_reading(tmp_path: Path) -> None:
-    quiet = [(False, ["fit", *LIMITS, "--trainer.max_epochs", "1"])]
-    quiet += [(False, [sub, *LIMITS, "--ckpt_path", "last"]) for sub in ("validate", "test", "predict")]
-    verbose = [(True, ["fit", *LIMITS, "--trainer.max_epochs", "1", "--run.name", "loud"])]
-    verbose += [(True, ["validate", *LIMITS, "--run.name", "loud", "--ckpt_path", "last"])]
+    quiet = [(False, with_stand_in(["fit", *LIMITS, "--trainer.max_epochs", "1"]))]
+    quiet += [(False, with_stand_in([sub, *LIMITS, "--ckpt_path", "last"])) for sub in ("validate", "test", "predict")]
+    verbose = [(True, with_stand_in(["fit", *LIMITS, "--trainer.max_epochs", "1", "--run.name", "loud"]))]
+    verbose += [(True, with_stand_in(["validate", *LIMITS, "--run.name", "loud", "--ckpt_path", "last"]))]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "PROJECT_VERBOSE")}
     proc = subprocess.run(
         # the verbose runs first (each run removes its filters when it ends: the order should not matter)
@@ -154,7 +155,7 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
     ]
     # what --ckpt_path last picks: the newest file, the best-3 file of that epoch's end or (every 2 epochs) the
     # epoch00N.ckpt of the same step
-    newest = r"runs/digits/version_0/checkpoints/(?:best-epoch\d{3}-step\d+|epoch\d{3})\.ckpt"
+    newest = rf"runs/{RUN_NAME}/version_0/checkpoints/(?:best-epoch\d{{3}}-step\d+|epoch\d{{3}})\.ckpt"
     resumed_from = last = None
     for kind, step, rank, how, saved_step in faults:
         marker = tmp_path / f"{kind}-{step}"  # touched by KillAt right before the kill: the time of death
@@ -168,7 +169,7 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
         assert proc.returncode != 0, out[-3000:]
         if kind == "KillAt":
             assert ended - marker.stat().st_mtime < 30, f"the survivor took {ended - marker.stat().st_mtime:.0f} s"
-        command = shlex.join(["python", "-m", "project", "fit", *args, *fault, "--ckpt_path", "last"])
+        command = shlex.join(["python", "-m", "project", "fit", *STAND_IN, *args, *fault, "--ckpt_path", "last"])
         report = (
             rf"error: {how}; the other ranks stopped\. Newest complete checkpoint, intact: ({newest})"
             rf" \(step {saved_step}\)\. Resume: {re.escape(command)}"
@@ -180,7 +181,7 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
         lines = console_lines(proc.stdout) + console_lines(proc.stderr)
         expected = [
             "`Trainer(limit_val_batches=1)` was configured so 1 batch will be used.",
-            f"Run runs/digits/version_0 {start} | 2 x cpu | exact resume: yes, also mid-epoch"
+            f"Run runs/{RUN_NAME}/version_0 {start} | 2 x cpu | exact resume: yes, also mid-epoch"
             f" | logs: ThrottledTensorBoardLogger{SPEED}",
         ]
         if resumed_from is not None:
@@ -193,5 +194,5 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
         # the checkpoint the report names loads and holds the step it says
         named = tmp_path / match[1]
         assert torch.load(named, weights_only=True, map_location="cpu")["global_step"] == saved_step
-        check_fits(named, Classifier(MLP(hidden_sizes=[256, 256])))
+        check_fits(named, StandIn())  # the default net: hidden [256, 256]
         resumed_from, last = saved_step, match[1]  # the next run must resume from exactly this one

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import DDP2, QUIET, REPO, cli, newest_checkpoint, run_dirs
+from tests.helpers import DDP2, QUIET, REPO, STAND_IN, cli, newest_checkpoint, run_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +79,7 @@ def test_ctrl_c_under_ddp_saves_last_and_leaves_no_process_behind(tmp_path):
     # Ctrl-C in a terminal sends SIGINT to the whole foreground process group: both ranks get it.
     args = [*SMALL, *DDP2, "--trainer.max_epochs", "40"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "project", "fit", *args]
+    cmd = [sys.executable, "-m", "project", "fit", *STAND_IN, *args]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:

@@ -11,9 +11,10 @@ import yaml
 from torch.utils.data import DataLoader, TensorDataset
 
 from project.engine.predictions import PredictionWriter
-from tests.helpers import QUIET, cli
+from tests.fixtures.stand_in import SAMPLES, BlobsDataModule, StandIn
+from tests.helpers import QUIET, RUN_NAME, cli
 
-PREDICT_SIZE = int(1797 * 0.15)  # the digits' test split, which predict_dataloader serves
+PREDICT_SIZE = int(SAMPLES * BlobsDataModule().hparams.test_fraction)  # the test split, which predict_dataloader serves
 TINY_FIT = [
     *QUIET,
     "--trainer.max_epochs",
@@ -68,15 +69,15 @@ def test_a_users_dict_of_tensors_is_written_one_row_per_sample_in_dataset_order(
 def fitted(tmp_path_factory) -> tuple[Path, Path]:
     workdir = tmp_path_factory.mktemp("predict")
     cli("fit", *TINY_FIT, "--model.warmup", "1", cwd=workdir)
-    (ckpt,) = workdir.glob("runs/digits/version_*/checkpoints/last.ckpt")
+    (ckpt,) = workdir.glob(f"runs/{RUN_NAME}/version_*/checkpoints/last.ckpt")
     return workdir, ckpt
 
 
 def predict(workdir: Path, ckpt: Path, *args: str) -> Path:
     """Runs ``predict`` through the real CLI and returns the folder it wrote into (a new version_N)."""
-    before = set(workdir.glob("runs/digits/version_*"))
+    before = set(workdir.glob(f"runs/{RUN_NAME}/version_*"))
     cli("predict", *QUIET, "--ckpt_path", str(ckpt), *args, cwd=workdir, timeout=400)
-    (run,) = set(workdir.glob("runs/digits/version_*")) - before
+    (run,) = set(workdir.glob(f"runs/{RUN_NAME}/version_*")) - before
     return run
 
 
@@ -91,16 +92,14 @@ def test_predict_writes_index_pred_and_probabilities_of_every_sample_as_the_mode
     header, rows = read_csv(single / "predictions.csv")
     assert header == ["index", "pred", *(f"prob_{c}" for c in range(10))]
     assert [int(r[0]) for r in rows] == list(range(PREDICT_SIZE))
-    # independent oracle: the checkpoint's Classifier on the test split, in this process, in one batch
-    from project.data import DigitsDataModule
+    # independent oracle: the checkpoint's module on the test split, in this process, in one batch
     from project.engine.checkpoint_files import load_checkpoint_file
     from project.engine.weights import instantiate
-    from project.module import Classifier
 
     net = yaml.safe_load((fitted[1].parent.parent / "config.yaml").read_text())["model"]["init_args"]["net"]
-    module = Classifier(instantiate(net["class_path"], net["init_args"])).eval()
+    module = StandIn(instantiate(net["class_path"], net["init_args"])).eval()
     module.load_state_dict(load_checkpoint_file(fitted[1])["state_dict"])
-    data = DigitsDataModule()
+    data = BlobsDataModule()
     data.setup("predict")
     x, _ = data.splits["test"].tensors
     with torch.no_grad():

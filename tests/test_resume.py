@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from project.engine.run_checkpoints import is_loadable, read_global_step
-from tests.helpers import DDP2, QUIET, REPO, cli, newest_checkpoint, run_dirs, saved_steps, scalars
+from tests.helpers import DDP2, QUIET, REPO, STAND_IN, cli, newest_checkpoint, run_dirs, saved_steps, scalars
 
 pytestmark = pytest.mark.slow
 
@@ -204,7 +204,7 @@ def test_restart_launcher_recovers_from_a_worker_crash_exactly(tmp_path):
              f"--trainer.callbacks.once_marker={tmp_path / 'crashed-once'}"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [str(REPO / "scripts" / "train_resilient.sh"), "--max-restarts", "2", *DDP, *fault],
+        [str(REPO / "scripts" / "train_resilient.sh"), "--max-restarts", "2", *STAND_IN, *DDP, *fault],
         cwd=crashed, env=env, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     (tmp_path / "launcher.log").write_text(proc.stdout + proc.stderr)

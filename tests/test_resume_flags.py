@@ -6,7 +6,7 @@ under 2-rank DDP in subprocesses."""
 import pytest
 import torch
 
-from tests.helpers import DDP2, QUIET, cli, cli_in_process, newest_checkpoint, scalars
+from tests.helpers import DDP2, QUIET, RUN_NAME, cli, cli_in_process, newest_checkpoint, scalars
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +29,13 @@ CASES = {
 
 
 def final(root):
-    run = root / "digits" / "version_0"
+    run = root / RUN_NAME / "version_0"
     return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True), scalars(run)
 
 
 def resumed_from_mid_epoch(root) -> bool:
     """Whether the newest checkpoint (what --ckpt_path last resumes from) was taken in the middle of an epoch."""
-    ckpt = torch.load(newest_checkpoint(root / "digits" / "version_0"), weights_only=True)
+    ckpt = torch.load(newest_checkpoint(root / RUN_NAME / "version_0"), weights_only=True)
     batches = ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"]
     return not ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] and batches > 0
 
@@ -96,7 +96,7 @@ def test_a_fit_stopped_mid_epoch_then_continued_is_exact(tmp_path):
     assert len(ref_logged["train/loss"]) == ref["global_step"] == 60  # the precondition: a loss point every step
     root = tmp_path / "stopped"
     cli_in_process("fit", *BASE, "--trainer.callbacks+=tests.faults.StopAt", "--trainer.callbacks.step=27", root=root)
-    stopped = torch.load(root / "digits" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    stopped = torch.load(root / RUN_NAME / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
     assert stopped["global_step"] == 27 and stopped["epoch"] == 1  # 20 steps an epoch: step 27 is in epoch 1
     cli_in_process("fit", *BASE, "--ckpt_path", "last", root=root)
     got, logged = final(root)

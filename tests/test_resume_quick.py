@@ -4,7 +4,7 @@ to the uninterrupted fit (the subprocess kills, DDP and the flag matrix are in t
 import pytest
 import torch
 
-from tests.helpers import QUIET, cli_in_process
+from tests.helpers import QUIET, RUN_NAME, cli_in_process
 
 ARGS = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "1",
         "--model.warmup", "1", "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
@@ -17,7 +17,7 @@ def test_crashed_fit_resumes_mid_epoch_bitwise_equal(tmp_path):
     with pytest.raises(RuntimeError, match="injected crash"):
         cli_in_process("fit", *ARGS, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=10",
                        root=tmp_path / "resumed")  # fmt: skip
-    last = tmp_path / "resumed" / "digits" / "version_0" / "checkpoints" / "last.ckpt"
+    last = tmp_path / "resumed" / RUN_NAME / "version_0" / "checkpoints" / "last.ckpt"
     saved = torch.load(last, weights_only=True)
     progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]
     assert saved["global_step"] == 8 and 0 < progress["current"]["completed"] < 6  # mid-epoch: epoch 1 of 6 batches
