@@ -196,3 +196,14 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
         assert torch.load(named, weights_only=True, map_location="cpu")["global_step"] == saved_step
         check_fits(named, StandIn())  # the default net: hidden [256, 256]
         resumed_from, last = saved_step, match[1]  # the next run must resume from exactly this one
+
+
+def test_the_resume_command_is_the_users_without_the_class_switches_null_and_the_old_ckpt_path():
+    from project.engine.config import start_from_class_defaults
+    from project.engine.rank_failures import resume_command
+
+    typed = ["validate", "--model", "my.Model", "--data=my.Data", "--ckpt_path", "best", "--trainer.devices", "2"]
+    rewritten = ["prog", *start_from_class_defaults(typed)]  # what sys.argv holds once the CLI has parsed it
+    assert rewritten.count("null") == 2
+    assert resume_command(rewritten) == ("python -m project fit --model my.Model --data=my.Data --trainer.devices 2 "
+                                         "--ckpt_path last")  # fmt: skip
