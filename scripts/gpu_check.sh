@@ -97,6 +97,10 @@ fit() {  # fit RUN_ROOT ARGS...
 # 4. in the background, one after the other (the hand loop runs on the CPU only, so all of the benchmark does:
 #    CUDA_VISIBLE_DEVICES is emptied for it; the sync counter sees the GPU, where (b) and (c) then run)
 figures() {
+  if [[ ! -f "$REPO/scripts/count_syncs.py" ]]; then  # the template's scripts; a copy made from it has none
+    echo "SKIP  count_syncs, benchmark (the template's scripts, not in a copy)" >>"$OUT/steps.txt"
+    return
+  fi
   step count_syncs 150 "$PY" "$REPO/scripts/count_syncs.py" --epochs "$SYNC_EPOCHS" --json "$OUT/syncs.json"
   step benchmark 300 env CUDA_VISIBLE_DEVICES= "$PY" "$REPO/scripts/benchmark.py" "${BENCH[@]}"
 }
