@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from tests.helpers import DDP2, QUIET, cli, cli_in_process
+from tests.helpers import DDP2, QUIET, RUN_NAME, cli, cli_in_process
 
 OWN = ["--model", "tests.fixtures.shapes.DictRegression", "--data", "tests.fixtures.shapes.DictData"]
 SHORT = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "2"]
@@ -101,4 +101,4 @@ def test_an_error_raised_on_every_rank_is_said_once_and_leaves_no_run_folder(tmp
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1, proc.stdout + proc.stderr
     assert "fewer than the 2 ranks" in errors[0]
-    assert not (tmp_path / "runs" / "digits").exists()
+    assert not (tmp_path / "runs" / RUN_NAME).exists()

@@ -1,11 +1,14 @@
-"""The LR schedule against the closed form of the issue and against pl_bolts' own recursive implementation."""
+"""The LR schedule against the closed form of the issue and against pl_bolts' own recursive implementation, and
+fitted to the length of a real run."""
 
 import math
 
+import lightning as L
 import pytest
 import torch
 
-from project.engine.schedule import LinearWarmupCosineAnnealingLR
+from project.engine.schedule import FitScheduleToRun, LinearWarmupCosineAnnealingLR
+from tests.fixtures.stand_in import SAMPLES, BlobsDataModule, StandIn
 
 
 def formula(t: int, b: float, w: int, m: int, ws: float, eta: float) -> float:
@@ -111,3 +114,40 @@ def test_invalid_arguments_raise_clear_value_error(kwargs, message):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(ValueError, match=message):
         LinearWarmupCosineAnnealingLR(opt, **kwargs)
+
+
+STEPS_PER_EPOCH = math.ceil((SAMPLES - 2 * int(SAMPLES * 0.15)) / 64)  # the stand-in's train split in batches of 64
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "warmup", "steps", "warmup_steps"),
+    [
+        ({"max_epochs": 1}, 15, STEPS_PER_EPOCH, STEPS_PER_EPOCH),  # warmup 15 epochs > the run: shortened to it
+        ({"fast_dev_run": 2}, 15, 2, 2),
+        ({"max_epochs": -1, "max_steps": 7}, 15, 7, 7),
+        # max_steps ends it first: the schedule spans those steps, the 1-epoch warmup stays
+        ({"max_epochs": 30, "max_steps": STEPS_PER_EPOCH + 5}, 1, STEPS_PER_EPOCH + 5, STEPS_PER_EPOCH),
+    ],
+)
+def test_the_schedule_fits_a_run_shorter_than_its_warmup(trainer_kwargs, warmup, steps, warmup_steps, tmp_path):
+    """FitScheduleToRun, on the stand-in (its warmup in epochs, stepped every optimizer step)."""
+    lrs: list[float] = []
+
+    class RecordLR(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, *_):
+            lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    trainer = L.Trainer(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=tmp_path, callbacks=[RecordLR(), FitScheduleToRun()], **trainer_kwargs,
+    )  # fmt: skip
+    model = StandIn(lr=0.01, warmup=warmup)  # max_schedule None: the run's length
+    trainer.fit(model, BlobsDataModule())
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert trainer.global_step == steps == len(lrs)
+    assert (scheduler.warmup_epochs, scheduler.max_epochs) == (warmup_steps, steps)
+    # the closed form with the adapted horizon: linear from lr/W up to lr over the W warmup steps
+    w = warmup_steps
+    warmup = [0.01 / w + t * (0.01 - 0.01 / w) / max(1, w - 1) for t in range(w)]
+    assert lrs[:w] == pytest.approx(warmup)
+    assert all(lr < 0.01 for lr in lrs[w + 1 :])  # then the cosine decay, when the run is longer than the warmup

@@ -15,14 +15,14 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import DDP2, QUIET, REPO, cli
+from tests.helpers import DDP2, QUIET, REPO, STAND_IN, cli
 
 pytestmark = pytest.mark.slow
 
 # 2 epochs of 4 batches: a trial is two validations; the pruner sees the first.
 FIT = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4", "--model.warmup", "0"]
 STEPS_PER_EPOCH = 4
-BAD_LR = 1e-5  # four steps at this rate leave the digits at chance (~0.1 val/acc), far under the pruner's 0.3
+BAD_LR = 1e-5  # four steps at this rate leave the stand-in at chance (~0.1 val/acc), far under the pruner's 0.3
 
 
 def write_sweep(tmp_path: Path, name: str, trials: int, fit: list[str], lower: float = 0.3) -> Path:
@@ -32,7 +32,7 @@ def write_sweep(tmp_path: Path, name: str, trials: int, fit: list[str], lower: f
         "trials": trials,
         "seed": 3,
         "startup_trials": 2,  # trial 2 on is TPE's, from the finished trials: a restart must not change them
-        "fit": fit,
+        "fit": [*STAND_IN, *fit],  # every trial trains the stand-in
         "space": {
             "model.init_args.lr": {"type": "float", "low": BAD_LR, "high": 1e-2, "log": True},
             "model.init_args.net.init_args.dropout": {"type": "float", "low": 0.0, "high": 0.2},

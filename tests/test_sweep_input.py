@@ -1,9 +1,13 @@
 """A sweep's bad input ends in one `error:` line naming the key and the fix, before any trial or folder exists."""
 
+import json
 import sys
 
 import pytest
 
+from tests.helpers import STAND_IN
+
+FIT = ["--fit", json.dumps(STAND_IN)]  # the trials' fit arguments: the stand-in, whose constructors check the values
 SPACE_OK = "{model.init_args.lr: {type: float, low: 1.0e-3, high: 1.0e-2, log: true}}"
 
 
@@ -26,7 +30,7 @@ def test_bad_space_fails_in_one_line_before_anything_is_written(space, expected,
 
     monkeypatch.setattr(sys, "argv", ["project"])
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["sweep", "--name", "s", "--root", str(tmp_path / "runs"), "--space", space])
+        cli_main(["sweep", "--name", "s", "--root", str(tmp_path / "runs"), *FIT, "--space", space])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exit_info.value.code == 2
     assert len(errors) == 1 and expected in errors[0], errors
@@ -43,9 +47,15 @@ def test_a_restart_with_another_space_is_refused_and_the_study_kept(tmp_path, mo
     storage = f"sqlite:///{root / 's' / 'study.db'}"
     (root / "s").mkdir(parents=True)
     study = optuna.create_study(study_name="s", storage=storage)
-    study.set_user_attr("sweep", {"space": {"other": {}}, "fit": [], "monitor": "val/acc", "direction": "maximize"})
+    started = {
+        "space": {"other": {}},
+        "fit": STAND_IN,
+        "monitor": "val/acc",
+        "direction": "maximize",
+    }  # the space alone
+    study.set_user_attr("sweep", started)
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["sweep", "--name", "s", "--root", str(root), "--space", SPACE_OK, "--trials", "1"])
+        cli_main(["sweep", "--name", "s", "--root", str(root), *FIT, "--space", SPACE_OK, "--trials", "1"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exit_info.value.code == 2
     assert len(errors) == 1 and "started with another space" in errors[0], errors

@@ -2,12 +2,14 @@
 
 import pytest
 
+from tests.fixtures.stand_in import SAMPLES
 from tests.helpers import QUIET, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow
 
-PRIME_VAL = ["--data.val_fraction", "0.1509", "--data.batch_size", "32"]  # int(1797 * 0.1509) = 271, a prime
-VAL_SIZE = 271
+PRIME_VAL = ["--data.val_fraction", "0.1509", "--data.batch_size", "32"]
+VAL_SIZE = int(SAMPLES * 0.1509)  # 271, a prime: no number of ranks splits it evenly
+TEST_SIZE = int(SAMPLES * 0.15)  # the default test_fraction
 
 
 def ddp(n: int) -> list[str]:
@@ -42,7 +44,7 @@ def test_one_two_and_three_ranks_give_the_single_process_numbers(checkpoint, tmp
         logged = scalars(run)
         counts = [int(p.read_text()) for p in sorted((cwd / "count").glob("rank*.txt"))]
         assert len(counts) == n
-        expected = VAL_SIZE if stage == "val" else int(1797 * 0.15)
+        expected = VAL_SIZE if stage == "val" else TEST_SIZE
         assert sum(counts) == expected, counts  # every sample exactly once: no padding duplicates
         results[n] = (logged[f"{stage}/acc"][-1][1], logged[f"{stage}/loss"][-1][1])
     for n in ranks[1:]:
@@ -50,15 +52,11 @@ def test_one_two_and_three_ranks_give_the_single_process_numbers(checkpoint, tmp
         assert results[n][1] == pytest.approx(results[1][1], rel=1e-5), n
 
 
-@pytest.mark.long  # CI and make test-all; sample predictions again, under DDP
-def test_rank_zero_writes_sample_predictions_once(checkpoint, tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+@pytest.mark.long  # CI and make test-all; one event stream again, under DDP validate (the example's sample images
+# written once: tests/example/test_validation.py)
+def test_a_ddp_validate_writes_one_event_stream_with_each_value_once(checkpoint, tmp_path):
     cli("validate", *QUIET, *PRIME_VAL, *ddp(2), "--ckpt_path", str(checkpoint), cwd=tmp_path, timeout=240)
     (run,) = run_dirs(tmp_path)
     assert len(list(run.glob("events.out.tfevents.*"))) == 1
-    events = EventAccumulator(str(run), size_guidance={"images": 0, "tensors": 0})
-    events.Reload()
-    assert events.Tags()["images"] == ["val/samples"] and len(events.Images("val/samples")) == 1
-    table = events.Tensors("val/predictions/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert len(table.splitlines()) == 2 + 16  # header, separator, 16 samples
+    logged = scalars(run)
+    assert len(logged["val/acc"]) == len(logged["val/loss"]) == 1
