@@ -24,7 +24,7 @@ def load_curves(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     if not any(run_dir.glob("events.out.tfevents.*")):
-        raise FileNotFoundError(f"no TensorBoard events in {run_dir}; give a run folder like runs/digits/version_0")
+        raise FileNotFoundError(f"no TensorBoard events in {run_dir}; give a run folder like runs/<name>/version_0")
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every point
     acc.Reload()
     curves = {}

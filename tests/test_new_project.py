@@ -24,8 +24,8 @@ GENERATOR_MODULES = ("new_project", "template_copy", "template_renamer", "templa
 GENERATOR = (*(f"scripts/{m}.py" for m in GENERATOR_MODULES), "scripts/skeleton/")  # what makes a copy
 # What stays behind (issue 27): the generator and its tests, the benchmarks and their page of figures.
 TEMPLATE_ONLY = (*GENERATOR, "tests/test_new_project.py", "tests/test_template_update.py", "scripts/benchmark*.py",
-                 "tests/test_benchmark.py", "scripts/count_syncs*.py", "tests/test_count_syncs.py", "docs/speed.md",
-                 ".ci/test_copy.sh")  # fmt: skip
+                 "tests/example/test_benchmark.py", "scripts/count_syncs*.py", "tests/test_count_syncs*.py",
+                 "tests/example/test_count_syncs.py", "docs/speed.md", ".ci/test_copy.sh")  # fmt: skip
 GIT_ID = {f"GIT_{r}_{k}": v for r in ("AUTHOR", "COMMITTER") for k, v in (("NAME", "T"), ("EMAIL", "t@example.org"))}
 
 sys.path.insert(0, str(SCRIPT.parent))  # as when run as a script: its modules import each other from scripts/
@@ -257,7 +257,7 @@ def test_runs_checkpoints_caches_and_venv_stay_behind(template_copy, tmp_path, g
     junk = ["runs/digits/version_0/checkpoints/last.ckpt", "lightning_logs/version_0/x", "project/__pycache__/a.pyc",
             ".venv/bin/python", "project.egg-info/PKG-INFO", "build/lib/a.py", "dist/a.whl", "stray.ckpt",
             ".pytest_cache/v", ".ruff_cache/x", "weights.pth", "docs/speed.md", "scripts/benchmark_new.py",
-            "tests/test_benchmark.py"]  # fmt: skip
+            "tests/example/test_benchmark.py"]  # fmt: skip
     for rel in [*junk, "notes/keep.txt"]:
         (template / rel).parent.mkdir(parents=True, exist_ok=True)
         (template / rel).write_text("x\n")
@@ -353,8 +353,14 @@ def test_no_example_swaps_the_digits_for_the_skeleton(bare, generated):
     assert config["data"] == f"{NAME}.data.DataModule"  # the class alone: its own defaults apply
     for path in [p for p in bare.rglob("*.py") if p.name not in ("conftest.py", "helpers.py")]:
         assert "DigitsDataModule" not in path.read_text(), path
-    kept = {p.name for p in (bare / "tests").glob("test_*.py")}
-    assert "test_data.py" in kept and all("digits" not in (bare / "tests" / t).read_text().lower() for t in kept)
+    # every engine test goes into the copy; the example's tests (tests/example/) give way to the skeleton's
+    engine_tests = {p.relative_to(REPO).as_posix() for p in (REPO / "tests").glob("test_*.py")}
+    engine_tests = {t for t in engine_tests if not template_only(t)}
+    assert {p.relative_to(bare).as_posix() for p in (bare / "tests").glob("test_*.py")} == engine_tests
+    skeleton_tests = {p.relative_to(REPO / "scripts" / "skeleton").as_posix()
+                      for p in (REPO / "scripts" / "skeleton" / "tests").rglob("test_*.py")}  # fmt: skip
+    assert {p.relative_to(bare).as_posix() for p in (bare / "tests" / "example").glob("test_*.py")} == skeleton_tests
+    assert all("digits" not in (bare / t).read_text().lower() for t in engine_tests)
     assert leftover_references(bare) == []
     assert tree(bare) - tree(generated) == set()  # the skeleton replaces files, it adds none
 
@@ -389,8 +395,9 @@ def _pytest(project: Path, env: dict[str, str], *args: str) -> None:
 
 def _unit_tests(project: Path) -> list[str]:
     """The copy's test files that start no subprocess: the CLI ones take minutes, and the fits here stand in."""
-    files = sorted((project / "tests").glob("test_*.py"))
-    return [f"tests/{p.name}" for p in files if "subprocess" not in p.read_text() and "cli(" not in p.read_text()]
+    files = sorted((project / "tests").rglob("test_*.py"))  # the example's tests (tests/example/) too
+    return [p.relative_to(project).as_posix() for p in files
+            if "subprocess" not in p.read_text() and "cli(" not in p.read_text()]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -410,6 +417,7 @@ def test_the_copy_passes_its_unit_tests_and_trains(generated, tmp_path):
 @pytest.mark.slow
 def test_the_no_example_copy_passes_its_unit_tests_and_the_skeletons_fit(bare, tmp_path):
     """The skeleton's own tests include a real ``python -m acme_ml fit`` through the CLI."""
-    skeleton_tests = [f"tests/{p.name}" for p in (REPO / "scripts" / "skeleton" / "tests").glob("test_*.py")]
+    skeleton = REPO / "scripts" / "skeleton"
+    skeleton_tests = [p.relative_to(skeleton).as_posix() for p in (skeleton / "tests").rglob("test_*.py")]
     assert skeleton_tests
     _pytest(bare, _env(bare, tmp_path / "blocker"), *sorted({*_unit_tests(bare), *skeleton_tests}))

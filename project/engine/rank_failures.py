@@ -31,8 +31,8 @@ from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project.engine.compat import launched_children
-from project.engine.config import SWITCHABLE
 from project.engine.compat_torch import PEER_GONE
+from project.engine.config import SWITCHABLE
 from project.engine.run_checkpoints import find_last_checkpoint
 from project.engine.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
