@@ -33,8 +33,8 @@ SILENCED_WARNINGS: list[tuple[str, type[Warning]]] = [
     (r"The dirpath has changed from ", UserWarning),
     # fit --ckpt_path last continues the run's own folder, checkpoints included, on purpose
     (r"Checkpoint directory .* exists and is not empty\.", UserWarning),
-    # configs/default.yaml logs every 50 steps (fewer host-device syncs) and the digits have 20 batches an epoch:
-    # every default run would say this, and it misleads: Lightning logs every 50 global steps, across epochs
+    # configs/default.yaml logs every 50 steps (fewer host-device syncs), more than a small data set's batches an
+    # epoch: such runs would all say this, and it misleads: Lightning logs every 50 global steps, across epochs
     (
         r"The number of training batches \(\d+\) is smaller than the logging interval Trainer\(log_every_n_steps=",
         PossibleUserWarning,
