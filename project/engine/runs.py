@@ -43,7 +43,7 @@ class Runs:
 
     Args:
         root: Folder that holds every kind of run.
-        name: Subfolder for this kind of run; ``None``: named after the data module (``DigitsDataModule``: ``digits``).
+        name: Subfolder for this kind of run; ``None``: named after the data module (``CifarDataModule``: ``cifar``).
         monitor: The metric, as the module logs it with ``self.log``, that ranks the checkpoints. ``None``: no best
             checkpoints, only the ``ModelCheckpoint`` callbacks of ``trainer.callbacks`` (``last.ckpt``, periodic).
             A fit whose module does not log it stops at the first validation's end, before training, naming the
@@ -97,7 +97,7 @@ class RunPlan:
 
 
 def default_name(data_class_path: str | None) -> str:
-    """``project.data.DigitsDataModule`` -> ``digits``, ``MNIST1DDataModule`` -> ``mnist1d``, ``ImageNet`` ->
+    """``my_lab.data.CifarDataModule`` -> ``cifar``, ``MNIST1DDataModule`` -> ``mnist1d``, ``ImageNet`` ->
     ``image_net``: a run is filed under what it trains on."""
     name = (data_class_path or "").rsplit(".", 1)[-1]
     for suffix in ("DataModule", "Datamodule", "Dataset", "Data"):

@@ -1,7 +1,7 @@
 """A sweep's search space: ``{dotted CLI name: spec}``, checked before the first trial, sampled per trial.
 
 Specs: ``{type: float, low, high, log: false, step: null}``, ``{type: int, low, high, log: false, step: 1}``,
-``{type: categorical, choices: [...]}`` (numbers, strings, booleans; a class path such as ``project.nets.CNN`` is a
+``{type: categorical, choices: [...]}`` (numbers, strings, booleans; a class path such as ``my_lab.nets.ResNet`` is a
 string). Each key is checked against the real ``fit`` parser with the value at each end of its range (each choice),
 and the constructors it reaches run, so a misspelt key, a wrong type or a value the model refuses
 (``lr (0.0) must be > 0``) fails before the first trial, not in trial 7.

@@ -5,7 +5,7 @@ Read with no pickle, so no code runs on load but the named class's own ``__init_
     from project.engine.weights import load_net
     model = load_net("export/model.safetensors")  # eval mode, on the CPU
 
-The metadata holds ``class_path`` (``"project.module.Classifier"``) and ``init_args`` (JSON), as in the run's config;
+The metadata holds ``class_path`` (``"my_lab.module.Classifier"``) and ``init_args`` (JSON), as in the run's config;
 ``build`` makes the object of such a recipe as LightningCLI does (jsonargparse: nested ``class_path`` included).
 """
 
