@@ -59,4 +59,4 @@ def test_a_resumed_runs_repeated_steps_keep_the_latest_value(tmp_path):
 
 def test_a_folder_without_events_is_refused_with_a_hint(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
-    assert proc.returncode == 1 and re.search(r"give a run folder like runs/\w+/version_0", proc.stderr), proc.stderr
+    assert proc.returncode == 1 and re.search(r"give a run folder like runs/<name>/version_0", proc.stderr), proc.stderr

@@ -37,7 +37,7 @@ def test_batches_fit_the_default_net():
 
 def test_fit_through_the_cli_writes_a_checkpoint(workdir):
     cli("fit", *QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3",
-        "--trainer.limit_val_batches", "2", cwd=workdir)  # fmt: skip
+        "--trainer.limit_val_batches", "2", cwd=workdir, example=True)  # fmt: skip
     (run,) = workdir.glob("runs/*/version_0")
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert yaml.safe_load((run / "config.yaml").read_text())["data"]["class_path"].endswith(".data.DataModule")
