@@ -29,11 +29,15 @@ DDP = [*QUIET, *DDP2, "--trainer.max_epochs", "4", "--trainer.limit_val_batches"
        "--data.batch_size", "48", *EVERY_50]  # fmt: skip
 
 
-def kill_at(step: int, sig: int = 9) -> list[str]:
+def kill_at(step: int, sig: int = 9, settle: bool = False) -> list[str]:
+    """Dies at ``step``; ``settle``: once the background saves are on disk, for a test that names the newest
+    checkpoint (without it, a loaded machine may still be writing it: the kill then leaves an older one, which a
+    resume handles, as the random-step test checks)."""
     return [
         "--trainer.callbacks+=tests.faults.KillAt",
         f"--trainer.callbacks.step={step}",
         f"--trainer.callbacks.sig={sig}",
+        f"--trainer.callbacks.settle={str(settle).lower()}",
     ]
 
 
@@ -84,7 +88,7 @@ def test_resume_from_epoch_end_checkpoint_is_exact(uninterrupted, tmp_path):
 
 
 def killed_mid_epoch_then_resumed(cwd, args) -> None:
-    proc = cli("fit", *args, *kill_at(55), cwd=cwd, check=False)
+    proc = cli("fit", *args, *kill_at(55, settle=True), cwd=cwd, check=False)
     assert proc.returncode == -9, proc.stderr[-2000:]
     last = torch.load(run_dirs(cwd)[0] / "checkpoints" / "last.ckpt", weights_only=True)
     progress = last["loops"]["fit_loop"]["epoch_loop.batch_progress"]
@@ -176,7 +180,7 @@ def test_sigterm_during_validation_keeps_the_last_checkpoint_and_the_resume_is_e
 
 @pytest.mark.long  # CI and make test-all; unreadable checkpoints: tests/test_bad_input.py
 def test_truncated_checkpoint_names_the_file_and_last_picks_a_good_one(uninterrupted, tmp_path):
-    proc = cli("fit", *BASE, *kill_at(45), cwd=tmp_path, check=False)
+    proc = cli("fit", *BASE, *kill_at(45, settle=True), cwd=tmp_path, check=False)
     (run,) = run_dirs(tmp_path)
     last = newest_checkpoint(run)  # step 40 (the end of epoch 2): best 3 and every 2 epochs, one file, two names
     data = last.read_bytes()

@@ -72,7 +72,12 @@ def test_two_rank_ddp_resume_with_the_flags_together_is_exact(tmp_path):
     for name in ("reference", "resumed"):
         (tmp_path / name).mkdir()
     cli("fit", *args, cwd=tmp_path / "reference")
-    kill = ["--trainer.callbacks+=tests.faults.KillAt", "--trainer.callbacks.step=17", "--trainer.callbacks.sig=9"]
+    kill = [
+        "--trainer.callbacks+=tests.faults.KillAt",
+        "--trainer.callbacks.step=17",
+        "--trainer.callbacks.sig=9",
+        "--trainer.callbacks.settle=true",
+    ]  # the mid-epoch save on disk whatever the load, for the precondition
     proc = cli("fit", *args, *kill, cwd=tmp_path / "resumed", check=False)
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert resumed_from_mid_epoch(tmp_path / "resumed" / "runs")  # the precondition: a mid-epoch resume
