@@ -71,6 +71,8 @@ class ExactResume(Callback):
         self._threads_saved: int | None = None
         # The count stays as it is; MKL stops choosing its own per call (mkl_set_dynamic(false)). The one setting of
         # the engine that outlives the run: PyTorch cannot turn MKL's own choice back on, and it changes no result.
+        # It is process-wide: DataLoader's pin-memory thread (only with an accelerator) turns it off too when it starts,
+        # at a moment that depends on the loader; set here, before the first loader, that moment changes nothing.
         torch.set_num_threads(torch.get_num_threads())
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
