@@ -44,6 +44,12 @@ class KillAt(L.Callback):
         os.kill(os.getpid(), signal.Signals(self.sig))
 
 
+def kill_at(step: int, sig: int = 9, settle: bool = False, **more: object) -> list[str]:
+    """The command-line arguments that add :class:`KillAt` to a run (``more``: its other arguments, e.g. ``rank``)."""
+    args = {"step": step, "sig": sig, "settle": str(settle).lower(), **more}
+    return ["--trainer.callbacks+=tests.faults.KillAt", *(f"--trainer.callbacks.{k}={v}" for k, v in args.items())]
+
+
 class SignalInValidation(L.Callback):
     """Sends ``sig`` to this process during the second validation batch of epoch ``epoch`` (not the sanity check)."""
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, RUN_NAME, cli, cli_in_process, scalars
 
 SMALL = [*QUIET, "--trainer.limit_train_batches", "4", "--model.net.init_args.hidden_sizes", "[32]",
@@ -72,7 +73,7 @@ def test_without_a_best_checkpoint_the_final_weights_are_tested_and_the_line_say
 
 def test_a_preempted_fit_is_not_tested(tmp_path, caplog):
     caplog.set_level(logging.INFO)
-    sigterm = ["--trainer.callbacks+=tests.faults.KillAt", "--trainer.callbacks.step=6", "--trainer.callbacks.sig=15"]
+    sigterm = kill_at(6, sig=15)
     with pytest.raises(SystemExit) as stopped:
         cli_in_process("fit", *SMALL, *AFTER, "--trainer.max_epochs", "3", *sigterm, root=tmp_path)
     run = tmp_path / RUN_NAME / "version_0"

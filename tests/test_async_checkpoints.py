@@ -12,6 +12,7 @@ import torch
 from project.engine.checkpoint_io import AtomicCheckpointIO
 from project.engine.host_snapshot import HostSnapshot
 from project.engine.run_checkpoints import find_last_checkpoint
+from tests.faults import kill_at
 from tests.helpers import QUIET, RUN_NAME, cli, cli_in_process
 
 # 3 epochs of 6 steps; last.ckpt every 4 optimizer steps besides the default writers (epoch ends): 4, 6, 8, 12, ...
@@ -170,7 +171,7 @@ def test_preemption_and_ctrl_c_with_a_write_in_flight_leave_a_complete_last_chec
     # Writes take 1 s, steps milliseconds: step 8's save (every 4 steps) is being written when the signal comes at
     # step 9; the run stops after that batch and saves last.ckpt once the write in flight is done.
     slow = ["--trainer.plugins", "tests.faults.SlowWriter", "--trainer.plugins.delay", "1.0"]
-    fault = ["--trainer.callbacks+=tests.faults.KillAt", "--trainer.callbacks.step=9", f"--trainer.callbacks.sig={sig}"]
+    fault = kill_at(9, sig=sig)
     proc = cli("fit", *ARGS, *slow, *fault, "--run.root", "runs", cwd=tmp_path, check=False)
     assert proc.returncode == 128 + sig, proc.stderr[-2000:]
     folder = tmp_path / "runs" / RUN_NAME / "version_0" / "checkpoints"

@@ -16,6 +16,7 @@ import torch
 from project.engine.elastic import Shape, _keep, epoch_note
 from project.engine.loaders import ResumableSampler
 from project.engine.sharded import full_state_dict, read_meta
+from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, REPO, cli, run_dirs
 
 # 90 samples padded to 96: 12 optimizer steps of 8 samples an epoch (4 per device x 2 ranks, or x 2 accumulated)
@@ -27,11 +28,6 @@ ARGS = [*QUIET, "--model", "tests.fixtures.elastic.RecordedRegression", "--data"
 ONE = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto"]
 SHARDED = ["--config", str(REPO / "configs" / "fsdp.yaml"), "--trainer.accelerator", "cpu"]  # FSDP2 over gloo
 STEPS_PER_EPOCH = 12
-
-
-def kill_at(step: int) -> list[str]:
-    return ["--trainer.callbacks+=tests.faults.KillAt", f"--trainer.callbacks.step={step}",
-            "--trainer.callbacks.settle=true"]  # fmt: skip
 
 
 def record(folder: Path) -> dict[int, dict]:
@@ -85,7 +81,8 @@ def uninterrupted(tmp_path_factory) -> tuple[dict[int, dict], dict]:
 def killed(cwd: Path, first: list[str], kill: int, per_epoch: int = STEPS_PER_EPOCH) -> dict:
     """Runs ``first`` until it is killed before step ``kill`` (of epochs of ``per_epoch`` steps); returns the steps it
     recorded."""
-    proc = cli("fit", *ARGS, *first, *kill_at(kill), "--model.record", str(cwd / "a"), cwd=cwd, check=False)
+    recording = ["--model.record", str(cwd / "a")]
+    proc = cli("fit", *ARGS, *first, *kill_at(kill, settle=True), *recording, cwd=cwd, check=False)
     assert proc.returncode != 0, proc.stderr[-2000:]
     saved = last(cwd)
     assert saved["global_step"] == kill, "precondition: the checkpoint of the step before the kill"

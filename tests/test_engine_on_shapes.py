@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import faults
 from tests.helpers import DDP2, QUIET, cli, cli_in_process, max_abs_diff
 
 # shape: (module class, dict batches, monitored key, mode, optimizer steps per batch)
@@ -144,9 +145,7 @@ def test_a_killed_two_rank_ddp_fit_resumes_from_mid_epoch_and_from_an_epoch_end_
     cli("fit", *args, cwd=reference)
 
     def kill_at(batch: int, *more: str) -> str:
-        kill = ["--trainer.callbacks+=tests.faults.KillAt", f"--trainer.callbacks.step={batch * per_batch}",
-                "--trainer.callbacks.settle=true"]  # fmt: skip
-        proc = cli("fit", *args, *kill, *more, cwd=resumed, check=False)
+        proc = cli("fit", *args, *faults.kill_at(batch * per_batch, settle=True), *more, cwd=resumed, check=False)
         assert proc.returncode != 0, proc.stderr[-2000:]
         return proc.stdout
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from project.engine.run_checkpoints import is_loadable, read_global_step
+from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, REPO, STAND_IN, cli, newest_checkpoint, run_dirs, saved_steps, scalars
 
 pytestmark = pytest.mark.slow
@@ -27,18 +28,6 @@ WORKERS = [*BASE, "--data.num_workers", "2", "--data.persistent_workers", "true"
 # 2 ranks x batch 48: 14 steps per epoch, so step 50 is mid-epoch (epoch 3, batch 8).
 DDP = [*QUIET, *DDP2, "--trainer.max_epochs", "4", "--trainer.limit_val_batches", "3", "--model.warmup", "1",
        "--data.batch_size", "48", *EVERY_50]  # fmt: skip
-
-
-def kill_at(step: int, sig: int = 9, settle: bool = False) -> list[str]:
-    """Dies at ``step``; ``settle``: once the background saves are on disk, for a test that names the newest
-    checkpoint (without it, a loaded machine may still be writing it: the kill then leaves an older one, which a
-    resume handles, as the random-step test checks)."""
-    return [
-        "--trainer.callbacks+=tests.faults.KillAt",
-        f"--trainer.callbacks.step={step}",
-        f"--trainer.callbacks.sig={sig}",
-        f"--trainer.callbacks.settle={str(settle).lower()}",
-    ]
 
 
 def seeded_random(what: str) -> random.Random:
@@ -88,6 +77,8 @@ def test_resume_from_epoch_end_checkpoint_is_exact(uninterrupted, tmp_path):
 
 
 def killed_mid_epoch_then_resumed(cwd, args) -> None:
+    # settle: the test names the newest checkpoint; without it a loaded machine may still be writing it when the kill
+    # comes, leaving an older one (which a resume handles, as the random-step test checks)
     proc = cli("fit", *args, *kill_at(55, settle=True), cwd=cwd, check=False)
     assert proc.returncode == -9, proc.stderr[-2000:]
     last = torch.load(run_dirs(cwd)[0] / "checkpoints" / "last.ckpt", weights_only=True)
@@ -204,8 +195,7 @@ def test_restart_launcher_recovers_from_a_worker_crash_exactly(tmp_path):
     reference.mkdir()
     crashed.mkdir()
     cli("fit", *DDP, cwd=reference)
-    fault = ["--trainer.callbacks+=tests.faults.KillAt", "--trainer.callbacks.step=33", "--trainer.callbacks.rank=1",
-             f"--trainer.callbacks.once_marker={tmp_path / 'crashed-once'}"]  # fmt: skip
+    fault = kill_at(33, rank=1, once_marker=tmp_path / "crashed-once")
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
         [str(REPO / "scripts" / "train_resilient.sh"), "--max-restarts", "2", *STAND_IN, *DDP, *fault],

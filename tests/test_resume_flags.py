@@ -6,6 +6,7 @@ under 2-rank DDP in subprocesses."""
 import pytest
 import torch
 
+from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, RUN_NAME, cli, cli_in_process, newest_checkpoint, scalars
 
 pytestmark = pytest.mark.slow
@@ -72,13 +73,8 @@ def test_two_rank_ddp_resume_with_the_flags_together_is_exact(tmp_path):
     for name in ("reference", "resumed"):
         (tmp_path / name).mkdir()
     cli("fit", *args, cwd=tmp_path / "reference")
-    kill = [
-        "--trainer.callbacks+=tests.faults.KillAt",
-        "--trainer.callbacks.step=17",
-        "--trainer.callbacks.sig=9",
-        "--trainer.callbacks.settle=true",
-    ]  # the mid-epoch save on disk whatever the load, for the precondition
-    proc = cli("fit", *args, *kill, cwd=tmp_path / "resumed", check=False)
+    # settle: the mid-epoch save on disk whatever the load, for the precondition
+    proc = cli("fit", *args, *kill_at(17, settle=True), cwd=tmp_path / "resumed", check=False)
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert resumed_from_mid_epoch(tmp_path / "resumed" / "runs")  # the precondition: a mid-epoch resume
     cli("fit", *args, "--ckpt_path", "last", cwd=tmp_path / "resumed")

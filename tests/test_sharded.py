@@ -9,6 +9,7 @@ from project.engine.export import export
 from project.engine.run_checkpoints import read_global_step
 from project.engine.sharded import full_state_dict, read_meta
 from project.engine.weights import load_net
+from tests.faults import kill_at
 from tests.helpers import QUIET, REPO, cli, newest_checkpoint, run_dirs, scalars
 
 pytestmark = pytest.mark.slow
@@ -23,10 +24,6 @@ FSDP = [*QUIET, "--config", str(REPO / "configs" / "fsdp.yaml"), "--trainer.acce
         "--trainer.callbacks.save_last=true", "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
 TWO = ["--trainer.devices", "2"]
 SHARD_FILES = {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"}
-
-
-def kill_at(step: int) -> list[str]:
-    return ["--trainer.callbacks+=tests.faults.KillAt", f"--trainer.callbacks.step={step}"]
 
 
 def full_weights(path: str, when: str = "end") -> list[str]:

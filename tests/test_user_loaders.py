@@ -15,6 +15,7 @@ from torch.utils.data import (
 
 from project.engine.loaders import ResumableSampler
 from project.engine.user_loaders import engine_loader
+from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, cli, cli_in_process, max_abs_diff, run_dirs, scalars
 
 N_VAL = 37  # validation samples: indices 0..36, whose sum is 666
@@ -202,8 +203,7 @@ def test_a_killed_fit_of_plain_loaders_resumes_bitwise_equal(checkpoint, kill, s
     resumed.mkdir()
     args = [*config(tmp_path, checkpoint), "--trainer.max_epochs", "3"]
     cli("fit", *args, cwd=reference)
-    proc = cli("fit", *args, "--trainer.callbacks+=tests.faults.KillAt", f"--trainer.callbacks.step={kill}",
-               "--trainer.callbacks.settle=true", cwd=resumed, check=False)  # fmt: skip
+    proc = cli("fit", *args, *kill_at(kill, settle=True), cwd=resumed, check=False)
     assert proc.returncode == -9, proc.stderr[-2000:]
     step, done = batches_done(resumed / "runs")  # done: 11 at the last batch's end (counted after the save)
     assert step == saved and (0 < done < 11 if checkpoint is EVERY_4_STEPS else done == 11), (step, done)
@@ -218,8 +218,7 @@ def test_a_killed_two_rank_ddp_fit_of_plain_loaders_resumes_mid_epoch_bitwise_eq
     resumed.mkdir()
     args = [*config(tmp_path, EVERY_4_STEPS), *DDP2, "--trainer.max_epochs", "4"]  # 48 per rank: 6 batches an epoch
     cli("fit", *args, cwd=reference)
-    proc = cli("fit", *args, "--trainer.callbacks+=tests.faults.KillAt", "--trainer.callbacks.step=19",
-               "--trainer.callbacks.settle=true", cwd=resumed, check=False)  # fmt: skip
+    proc = cli("fit", *args, *kill_at(19, settle=True), cwd=resumed, check=False)
     assert proc.returncode != 0, proc.stderr[-2000:]
     step, done = batches_done(resumed / "runs")
     assert step == 16 and 0 < done < 6, (step, done)  # epoch 2, 4 of 6 batches
