@@ -19,6 +19,7 @@ own shard, no rank gathers the whole model):
 """
 
 import functools
+import importlib
 import io
 import os
 import pickle
@@ -42,11 +43,11 @@ from project.engine.compat_torch import index_for_reader, load_bytes_weights_onl
 META = "meta.pt"  # Lightning's name for the non-tensor part (loops, callbacks, hyperparameters)
 INDEX = ".metadata"  # DCP's index of the shards, written by the coordinator once every rank has written
 WORLD_SIZE = "sharded_world_size"  # key in meta.pt: how many ranks wrote the folder
-DCP_INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 
 
 def is_sharded_checkpoint(path: FilePath) -> bool:
-    """A complete sharded checkpoint folder (an interrupted save leaves ``<name>.tmp``, which is never one)."""
+    """A sharded checkpoint folder whose save finished (an interrupted save leaves ``<name>.tmp``, which is never
+    one); ``check_complete`` also checks its shards."""
     path = Path(path)
     return path.is_dir() and (path / META).is_file() and (path / INDEX).is_file()
 
@@ -57,13 +58,36 @@ def is_checkpoint_folder(path: FilePath) -> bool:
     return path.is_dir() and ((path / META).exists() or (path / INDEX).exists() or any(path.glob("*.distcp")))
 
 
-def check_complete(path: FilePath) -> None:
+def check_complete(path: FilePath) -> Any:
+    """DCP's index (``Metadata``) of a folder whose save finished: ``meta.pt`` and the index are there, and every
+    shard file the index names holds the bytes it points at. Raises ``CheckpointLoadError`` naming what is missing
+    (a shard lost after the save, e.g. a copy cut short, would otherwise load as a traceback from every rank)."""
     path = Path(path)
     missing = [name for name in (META, INDEX) if not (path / name).is_file()]
     if missing:
         raise CheckpointLoadError(
             f"{path} is not a complete sharded checkpoint (no {' or '.join(missing)}: its save was cut short)"
         )
+    index = _read_index_file(path)
+    needed: dict[str, int] = {}  # shard file -> the end of the last byte range read from it
+    for where in index.storage_data.values():
+        name = where.relative_path
+        if Path(name).name != name:  # a shard is always a file of the folder itself
+            raise CheckpointLoadError(f"{path}/{INDEX} names a shard outside its folder ({name!r}); it was not loaded")
+        needed[name] = max(needed.get(name, 0), where.offset + where.length)
+    problems = []
+    for name, end in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            problems.append(f"{name} is missing")
+        elif shard.stat().st_size < end:
+            problems.append(f"{name} has {shard.stat().st_size} of its {end} bytes")
+    if problems:
+        raise CheckpointLoadError(
+            f"{path} is not a complete sharded checkpoint ({'; '.join(problems)}, of the {len(needed)} shard(s) its "
+            "index names)"
+        )
+    return index
 
 
 def read_meta(path: FilePath) -> dict[str, Any]:
@@ -77,9 +101,29 @@ def read_meta(path: FilePath) -> dict[str, Any]:
 
 
 class _IndexUnpickler(pickle.Unpickler):
-    """Builds DCP's index classes and the torch/builtin values they hold; any other global is refused."""
+    """Builds the classes DCP's index is made of, by name, and nothing else.
 
-    SAFE = {
+    Each allowed global is one exact ``(module, name)``: no module is allowed as a whole and no dotted name is
+    resolved, since pickle protocol 4 looks ``a.b`` up attribute by attribute (``filesystem`` + ``os.system`` is
+    ``os.system``). The list is what torch's ``FileSystemWriter`` writes (tests/test_unpicklers.py checks it
+    against a real index); a new torch that writes another class fails loudly here, naming it.
+    """
+
+    ALLOWED = {
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
         ("torch", "device"),
         ("torch.serialization", "_get_layout"),  # a layout by its name (torch.strided)
@@ -92,27 +136,35 @@ class _IndexUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in DCP_INDEX_MODULES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            return getattr(torch, name)
-        if (module, name) in self.SAFE:
-            return super().find_class(module, name)
+        if "." not in name:
+            if module == "torch" and isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+            ):
+                return getattr(torch, name)  # torch.float32, torch.strided, torch.channels_last
+            if (module, name) in self.ALLOWED:
+                return getattr(importlib.import_module(module), name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
 
 
-def read_index(path: FilePath) -> Any:
-    """DCP's ``Metadata`` of a complete folder, read by ``_IndexUnpickler``; raises ``CheckpointLoadError``."""
-    check_complete(path)
+def _read_index_file(path: Path) -> Any:
     try:
-        with open(Path(path) / INDEX, "rb") as f:
-            return _IndexUnpickler(f).load()
+        with open(path / INDEX, "rb") as f:
+            index = _IndexUnpickler(f).load()
     except Exception as error:
         raise CheckpointLoadError(
             f"{path}/{INDEX} is not a DCP index of tensors ({error}); loading it could run code, so it was not loaded"
         ) from None
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(index, Metadata):
+        raise CheckpointLoadError(f"{path}/{INDEX} is not a DCP index (it holds a {type(index).__name__})")
+    return index
+
+
+def read_index(path: FilePath) -> Any:
+    """DCP's ``Metadata`` of a complete folder (``check_complete``), read by ``_IndexUnpickler``; raises
+    ``CheckpointLoadError``."""
+    return check_complete(path)
 
 
 @functools.cache
@@ -134,8 +186,20 @@ def _safe_reader_and_planner() -> tuple[type, type]:
 def _load(state: dict[str, Any], path: Path, single_process: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     reader, planner = _safe_reader_and_planner()
-    dcp.load(state, storage_reader=reader(path), planner=planner(), no_dist=single_process)
+    try:
+        dcp.load(state, storage_reader=reader(path), planner=planner(), no_dist=single_process)
+    except CheckpointException as error:  # a BaseException: no `except Exception` (nor the one-line report) sees it
+        # failures: rank -> (exception, traceback)
+        causes = [f"rank {rank}: {_first_line(failure[0])}" for rank, failure in sorted(error.failures.items())]
+        raise CheckpointLoadError(f"{path} could not be loaded ({'; '.join(causes) or error})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def _saved_tensors(path: FilePath, prefix: str) -> dict[str, Any]:
