@@ -43,7 +43,7 @@ def test_last_is_the_newest_checkpoint_of_any_run_slurms_included_and_fit_contin
     assert plan_run(config(tmp_path, "last"), "validate").dir == family / "version_2"
     save(family / "version_1" / "checkpoints" / "best.ckpt", 15, 4000)
     plan = plan_run(config(tmp_path, str(family / "version_1" / "checkpoints" / "best.ckpt")), "fit")
-    assert (plan.dir, plan.continues) == (family / "version_2", False)
+    assert (plan.dir, plan.continues) == (family / "version_3", False)  # version_2 is the validate's: claimed
 
 
 def test_last_with_no_checkpoint_starts_a_new_version(tmp_path):

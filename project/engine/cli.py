@@ -33,7 +33,7 @@ from project.engine.predictions import PredictionWriter
 from project.engine.profiler import NoProfiler
 from project.engine.rank_failures import RankFailures
 from project.engine.resume import ExactResume
-from project.engine.run_folder import RunFolder, discard_if_empty
+from project.engine.run_folder import FolderBefore, RunFolder, clean_up_failed_start
 from project.engine.run_loggers import keep_csv_history, point_loggers_at
 from project.engine.run_scope import for_the_run, freeze_what_was_built
 from project.engine.runs import RunPlan, Runs, plan_run
@@ -48,6 +48,8 @@ SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 class CLI(LightningCLI):
     run_plan: RunPlan | None = None
+    run_folder: RunFolder | None = None
+    folder_before: FolderBefore | None = None  # a continued run's folder as found, for a failed start to restore
     unknown_loggers: list[str] = []
 
     def __init__(self, *args: Any, only: str | None = None, **kwargs: Any) -> None:
@@ -55,7 +57,8 @@ class CLI(LightningCLI):
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
-            discard_if_empty(self.run_plan, getattr(self, "trainer", None))  # a failed run leaves no empty folder
+            # a failed start leaves no empty folder, and nothing in the run it continued
+            clean_up_failed_start(self.run_plan, self.run_folder, getattr(self, "trainer", None), self.folder_before)
             raise
 
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
@@ -79,6 +82,8 @@ class CLI(LightningCLI):
         if subcommand:
             try:
                 self.run_plan = plan_run(self.config[subcommand], subcommand)
+                if self.run_plan.continues and rank_zero_only.rank == 0:
+                    self.folder_before = FolderBefore.take(self.run_plan.dir)
                 self.unknown_loggers = point_loggers_at(self.run_plan, self.config[subcommand]["trainer"])
             except ValueError as error:
                 parser.error(str(error))  # a one-paragraph message and exit code 2, not a traceback
@@ -118,7 +123,8 @@ class CLI(LightningCLI):
         # config's callback list, where it would make `--trainer.enable_progress_bar false` an error. A bar the
         # config brings wins.
         if self.run_plan is not None:  # before the bar: the start line is printed before the bar's first frame
-            callbacks += [RunFolder(self.run_plan), Guarantees(self.run_plan, self.unknown_loggers)]
+            self.run_folder = RunFolder(self.run_plan)
+            callbacks += [self.run_folder, Guarantees(self.run_plan, self.unknown_loggers)]
         # run.monitor's ModelCheckpoint and EarlyStopping (in every subcommand: a checkpoint names their states),
         # checked before either acts
         from_run = monitor_callbacks(cli_section(self, self.config_init, "run"))

@@ -3,6 +3,7 @@
 import contextlib
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class RunFolder(Callback):
         self._checkpoint_step = 0  # values of steps before it may reach loggers that cannot drop points
         self._release_at_next_batch = False
         self._batch_start: tuple[int, int] | None = None  # (logging step, global step) as the batch began
+        self.trained = False  # a training batch of this invocation ended: a failure after it keeps the folder
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.dir = Path(trainer.strategy.broadcast(str(self.plan.dir)))
@@ -78,6 +80,9 @@ class RunFolder(Callback):
             self._release()
             self._release_at_next_batch = False
 
+    def on_train_batch_end(self, *_: Any) -> None:
+        self.trained = True
+
     def _release(self) -> None:
         for gate in self._gates:
             gate.release(before=self._checkpoint_step)
@@ -97,22 +102,66 @@ class RunFolder(Callback):
         self._gates = []
 
 
+# Files of a run folder that a start rewrites in place (keep_csv_history, the loggers' hparams, write_record): a
+# continued run that fails before it trains puts their bytes back. Checkpoints are never among them.
+REWRITTEN_AT_START = ("metrics.csv", "hparams.yaml", "run.json")
+
+
+@dataclass
+class FolderBefore:
+    """A continued run's folder as this invocation found it: what a failed start must leave as it was.
+
+    A resume that fails at its start (``--trainer.max_epochs`` below the checkpoint's epoch, a damaged checkpoint)
+    would otherwise leave ``config.N.yaml`` and an event file carrying ``purge_step`` in the earlier run, and
+    TensorBoard would then hide that run's points after the checkpoint's step.
+    """
+
+    folder: Path
+    paths: set[Path]
+    kept: dict[Path, bytes]
+
+    @classmethod
+    def take(cls, folder: Path) -> "FolderBefore":
+        paths = set(folder.rglob("*")) if folder.is_dir() else set()
+        kept = {folder / name: (folder / name).read_bytes() for name in REWRITTEN_AT_START if (folder / name).is_file()}
+        return cls(folder, paths, kept)
+
+    def put_back(self) -> None:
+        """Removes what was added (checkpoints excepted: a checkpoint is never deleted) and restores the bytes of
+        ``REWRITTEN_AT_START``."""
+        checkpoints = self.folder / "checkpoints"
+        added = [p for p in self.folder.rglob("*") if p not in self.paths and checkpoints not in (p, *p.parents)]
+        for path in sorted(added, key=lambda p: len(p.parts), reverse=True):  # files before their folders
+            with contextlib.suppress(OSError):
+                path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+        for path, data in self.kept.items():
+            if not path.is_file() or path.read_bytes() != data:
+                path.write_bytes(data)
+
+
 # What a run folder holds before the run has produced anything: the config, the loggers' opening files, the
 # rank-failure notes. A folder with nothing else is no run worth keeping.
 OPENING_FILES = ("config.yaml", "hparams.yaml", "run.json", ".failures", "checkpoints")
 
 
-def discard_if_empty(plan: RunPlan | None, trainer: L.Trainer | None) -> None:
-    """Removes the run folder of a run that failed before writing anything but its opening files (rank 0; never
-    a continued run's). Called once the run has unwound: every rank is gone and the loggers are closed."""
-    if plan is None or plan.continues or rank_zero_only.rank != 0 or not plan.dir.is_dir():
+def clean_up_failed_start(
+    plan: RunPlan | None, run_folder: RunFolder | None, trainer: L.Trainer | None, before: FolderBefore | None
+) -> None:
+    """After a run that failed or was stopped before it trained a batch (rank 0, once the run has unwound: every
+    rank is gone and the loggers are closed): a continued run's folder is put back as it was (``FolderBefore``), a
+    new run's folder removed if it holds nothing but its opening files."""
+    if plan is None or rank_zero_only.rank != 0 or not plan.dir.is_dir():
         return
-    if trainer is not None and trainer.state.fn == "fit" and trainer.global_step != (plan.global_step or 0):
-        return  # it trained: its logs are worth keeping
+    if run_folder is not None and run_folder.trained:
+        return  # its logs and checkpoints are worth keeping
     ranks = (getattr(trainer.strategy.launcher, "procs", None) if trainer is not None else None) or []
     for proc in ranks:  # Lightning's launcher: rank 0 started the others
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)  # the other ranks leave their notes before the folder goes
+    if plan.continues:
+        if before is not None:
+            before.put_back()
+        return
     checkpoints = plan.dir / "checkpoints"
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         return

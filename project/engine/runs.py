@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jsonargparse import Namespace
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from project.engine.run_checkpoints import (
     ResumeError,
@@ -119,6 +119,23 @@ def next_version_dir(family: Path) -> Path:
     return family / f"version_{max(versions, default=-1) + 1}"
 
 
+def claim_next_version(family: Path) -> Path:
+    """The next ``version_N``, made here by rank 0 with an exclusive ``mkdir`` before anything is built: runs
+    started together (a sweep's workers, a job array) each get a folder of their own, never one another's. The
+    other ranks only name it; they take rank 0's folder once the processes meet (``RunFolder.setup``). A run that
+    fails before writing into it removes it (``run_folder.clean_up_failed_start``)."""
+    if rank_zero_only.rank != 0:
+        return next_version_dir(family)
+    family.mkdir(parents=True, exist_ok=True)
+    while True:
+        path = next_version_dir(family)
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:  # another run took it between the listing and the mkdir: the next one
+            continue
+
+
 def check_save_dir(family: Path) -> None:
     """Raises ``ValueError`` before anything runs if the runs folder cannot become a writable folder.
 
@@ -144,12 +161,13 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
     check_save_dir(family)
     ckpt_path = config.get("ckpt_path")
     if ckpt_path is None or ckpt_path in ("hpc", "registry"):
-        return RunPlan(next_version_dir(family))
+        return RunPlan(claim_next_version(family))
     if ckpt_path == "best" or (Path(ckpt_path).is_dir() and not is_checkpoint_folder(Path(ckpt_path))):
         path = find_best_checkpoint(ckpt_path, family)
         config["ckpt_path"] = str(path)
         # a new version even for fit: starting from a run's best is a branch, the run itself is never written into
-        return RunPlan(next_version_dir(family), resumed_from=path, global_step=read_global_step(path))
+        global_step = read_global_step(path)
+        return RunPlan(claim_next_version(family), resumed_from=path, global_step=global_step)
     if ckpt_path == "last":
         found = find_last_checkpoint(family)
         if found is None and subcommand != "fit":  # evaluating random weights is never what was asked for
@@ -160,7 +178,7 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
         if found is None:
             rank_zero_info(f"--ckpt_path last: no checkpoint under {family}/*/; starting from scratch.")
             config["ckpt_path"] = None
-            return RunPlan(next_version_dir(family))
+            return RunPlan(claim_next_version(family))
         path, global_step = found
         if subcommand == "fit":  # an evaluation's start line names the checkpoint (project.engine.guarantees)
             rank_zero_info(f"--ckpt_path last: resuming from {path} (global step {global_step})")
@@ -186,4 +204,4 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
         record = json.loads(record_file.read_text()) if record_file.is_file() else {}
         log_step = read_positions(path)[1]  # the loggers count batches, not optimizer steps
         return RunPlan(family / run_dir.name, True, path, global_step, record, log_step)
-    return RunPlan(next_version_dir(family), resumed_from=path, global_step=global_step)
+    return RunPlan(claim_next_version(family), resumed_from=path, global_step=global_step)
