@@ -301,7 +301,7 @@ def test_a_validations_files_are_one_file_equal_to_the_last_one_synchronous_save
     args = [*QUIET, "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches",
             "2", "--model.net.init_args.hidden_sizes", "[32]", "--model.warmup", "1"]  # fmt: skip
     cli_in_process("fit", *args, root=tmp_path / "bg")
-    sync_cli = cli_in_process("fit", *args, "--trainer.plugins.background", "false", root=tmp_path / "sync")
+    sync_cli = cli_in_process("fit", *args, "--checkpoints.background", "false", root=tmp_path / "sync")
     # Which of the two linked files Lightning writes second: the later of the best-k callback (run.monitor's) and
     # the every-2-epochs one in the trainer's checkpoint callbacks.
     savers = [c for c in sync_cli.trainer.checkpoint_callbacks if type(c).__name__ == "ModelCheckpoint"]
@@ -342,7 +342,7 @@ def test_two_callbacks_with_one_file_name_keep_their_files_apart_as_with_synchro
     args = [*QUIET, "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches",
             "2", "--model.net.init_args.hidden_sizes", "[32]", "--model.warmup", "1", *same_name]  # fmt: skip
     cli_in_process("fit", *args, root=tmp_path / "bg")
-    cli_in_process("fit", *args, "--trainer.plugins.background", "false", root=tmp_path / "sync")
+    cli_in_process("fit", *args, "--checkpoints.background", "false", root=tmp_path / "sync")
     bg, sync = (tmp_path / r / RUN_NAME / "version_0" / "checkpoints" for r in ("bg", "sync"))
     names = sorted(p.name for p in bg.glob("*.ckpt"))
     kept = [f"epoch={e}-step={3 * (e + 1)}-v1.ckpt" for e in range(4)]  # the every-epoch callback's

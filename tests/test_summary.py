@@ -10,7 +10,7 @@ from tests.helpers import QUIET, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
 
-SUMMARY: list[str] = []  # RunSummary is in configs/default.yaml's callbacks; a config without it adds it here
+SUMMARY: list[str] = []  # flags a run needs for its summary line: none, the engine always adds RunSummary
 TINY = ["--trainer.max_epochs", "3", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2"]
 LINE = re.compile(r"^Run summary: best val/acc (\S+) \| best checkpoint (\S+) \| run folder (\S+)$")
 

@@ -20,9 +20,11 @@ What it guarantees, and what user code does to get each guarantee:
   epoch at other samples, with the limit that keeps them) is named in the start line. User code: as for exact resume.
 - **Same run in every logger** (``run_loggers``, ``loggers``): TensorBoard, CSV, MLflow, W&B continue the same run with
   each step once. Nothing to do; an unknown logger class is named at start.
-- **Checkpoints that survive a kill** (``checkpoint_io``, ``one_file_per_point``, ``checkpoint_files``): written by
+- **Checkpoints that survive a kill** (``checkpoint_policy``, ``checkpoint_io``, ``one_file_per_point``,
+  ``checkpoint_files``): ``last.ckpt`` on a timer, at the end and on a signal, the periodic files, written by
   atomic rename in the background, loaded with ``weights_only``; the files of one validation are one file under
-  their names.
+  their names. Nothing to do: they come with any ``trainer.callbacks`` / ``trainer.plugins`` list a config gives
+  (``--checkpoints.*`` are the settings; the start line names what is off).
 - **Speed** (``host_memory``, ``host_snapshot``, ``loggers``, ``profiler``, ``compat_logging``): a CPU step reuses the
   memory the last one freed; saves cost the loop only a copy to host memory; ``self.log`` and the hooks' profiling
   cost next to nothing per step. Nothing to do. Each switch that changes more than the loop is named in the start

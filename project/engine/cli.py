@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from project.engine.after_fit import test_best
 from project.engine.checkpoint_files import check_fits
+from project.engine.checkpoint_policy import CheckpointPolicy
 from project.engine.compat import cli_section
 from project.engine.config import (
     SaveConfigOnce,
@@ -70,6 +71,7 @@ class CLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(Runs, "run")
+        parser.add_class_arguments(CheckpointPolicy, "checkpoints")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         check_yaml_files(parser, sys.argv[1:] if args is None else args)
@@ -122,14 +124,21 @@ class CLI(LightningCLI):
         # Lightning's bar, redrawn every 10 batches rather than after each (~0.1 ms of Python a redraw); not in the
         # config's callback list, where it would make `--trainer.enable_progress_bar false` an error. A bar the
         # config brings wins.
+        policy: CheckpointPolicy = cli_section(self, self.config_init, "checkpoints")
         if self.run_plan is not None:  # before the bar: the start line is printed before the bar's first frame
             self.run_folder = RunFolder(self.run_plan)
-            callbacks += [self.run_folder, Guarantees(self.run_plan, self.unknown_loggers)]
+            callbacks += [self.run_folder, Guarantees(self.run_plan, self.unknown_loggers, policy)]
         # run.monitor's ModelCheckpoint and EarlyStopping (in every subcommand: a checkpoint names their states),
         # checked before either acts
         from_run = monitor_callbacks(cli_section(self, self.config_init, "run"))
         checks = [CheckMonitored(from_run)] if self.subcommand == "fit" else []
-        callbacks = [*checks, *callbacks, *from_run]
+        # a ModelCheckpoint of the config's that monitors what run.monitor does, as the engine's would: the user's
+        # is that one (Lightning refuses two callbacks with one state key)
+        from_run = [c for c in from_run if not any(g.state_key == c.state_key for g in callbacks)]
+        # last.ckpt, the periodic files, the LR curve, the summary: whatever list the config gave
+        callbacks = [*checks, *callbacks, *policy.callbacks(callbacks), *from_run]
+        plugins = config.get("plugins") or []
+        kwargs["plugins"] = policy.plugins([*plugins] if isinstance(plugins, list) else [plugins])
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(TQDMProgressBar(refresh_rate=10, leave=False))
         if config.get("enable_checkpointing") is False or config.get("fast_dev_run"):

@@ -10,6 +10,7 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import CombinedLoader
 
+from project.engine.checkpoint_policy import CheckpointPolicy
 from project.engine.loaders import ResumableDataLoader, ResumableSampler
 from project.engine.resume import ExactResume
 from project.engine.runs import RunPlan
@@ -23,8 +24,8 @@ class Guarantees(Callback):
     and after ``opts out:`` each guarantee the configuration or user code gives up, with the reason.
     """
 
-    def __init__(self, plan: RunPlan, unknown_loggers: list[str]) -> None:
-        self.plan, self.unknown_loggers = plan, unknown_loggers
+    def __init__(self, plan: RunPlan, unknown_loggers: list[str], policy: CheckpointPolicy) -> None:
+        self.plan, self.unknown_loggers, self.policy = plan, unknown_loggers, policy
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero:
@@ -113,7 +114,9 @@ class Guarantees(Callback):
             f"Run {trainer.default_root_dir} ({start}) | {self._ranks(trainer)} | exact resume: {exact}{elastic}"
             f" | logs: {self._logs(trainer)}"
         )
-        return line + (" | opts out: " + "; ".join(out) if out else "") + speed_switches(trainer)
+        off = self.policy.off(trainer)
+        line += " | opts out: " + "; ".join(out) if out else ""
+        return line + (" | off: " + "; ".join(off) if off else "") + speed_switches(trainer)
 
 
 def speed_switches(trainer: L.Trainer) -> str:
