@@ -2,6 +2,7 @@
 the background, the saves of one point of training as one file under their names."""
 
 import contextlib
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -17,6 +18,13 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from project.engine.checkpoint_files import FilePath, load_checkpoint_file
 from project.engine.compat_torch import crc32_off_in_this_thread
 from project.engine.host_snapshot import HostSnapshot
+from project.engine.run_checkpoints import ResumeError, checkpoints_newest_first, read_global_step
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (a full disk, a read-only or lost folder). ``strerror`` is the whole
+    message: the file, why, the newest checkpoint there (intact: the write went to a ``.tmp``) and the fix; it
+    ends with "resume with --ckpt_path last", which the CLI follows with the command (``one_line_errors``)."""
 
 
 @dataclass
@@ -34,9 +42,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     A rename within one directory is atomic on POSIX filesystems, so ``last.ckpt`` is always either the previous
     complete file or the new complete one, and the ``.tmp`` never matches ``*.ckpt`` (what ``--ckpt_path last``
     looks at). (Lightning's own save goes through a temporary file in the system temp folder, which is a copy, not
-    a rename, when that folder is on another filesystem.) A failed write (a full disk, a lost mount) removes the
-    ``.tmp`` and raises an ``OSError`` that names the folder and what to do. Local paths only; remote URLs fall back
-    to Lightning's writer.
+    a rename, when that folder is on another filesystem.) A failed write (a full disk, a read-only folder, a lost
+    mount) removes the ``.tmp`` and raises ``CheckpointWriteError``, naming the file, why, the newest checkpoint
+    there and what to do; torch's zip writer reports a full disk as ``RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos``, with the ``OSError`` beneath it, which is what is reported. The removals
+    queued after a failed write are not done: the file a failed save was to replace is kept. Local paths only;
+    remote URLs fall back to Lightning's writer.
 
     In the background (the default), a save costs the loop only the copy of the state to host memory
     (``HostSnapshot``); one thread writes, fsyncs and renames, one file after the other, and removes the files
@@ -75,6 +86,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self._writer: ThreadPoolExecutor | None = None
         self._queued: list[Future] = []  # writes and removals in flight, in order
         self._held: _Point | None = None
+        self._write_failed = False  # set by the writer: the removals queued after a failed write are skipped
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: FilePath, storage_options: Any | None = None) -> None:
         # SLURM's hpc_ckpt: Lightning requeues the job right after this returns, and the job is killed soon after,
@@ -109,8 +121,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if self._held is not None:
             self._held.removals.append(Path(path))
         elif self._queued:
-            self._submit(super().remove_checkpoint, path)  # after the writes queued before it, this file's too
+            self._submit(self._remove_unless_a_write_failed, path)  # after the writes queued before it, its own too
         else:
+            super().remove_checkpoint(path)
+
+    def _remove_unless_a_write_failed(self, path: FilePath) -> None:
+        if not self._write_failed:  # else it may be the newest complete file left: the one to resume from
             super().remove_checkpoint(path)
 
     def close_point(self) -> None:
@@ -125,13 +141,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             for paths in ([shared] if shared else []) + [[p] for p in alone]:
                 self._submit(self._save_atomically, held.checkpoint, *paths)
             for path in held.removals:
-                self._submit(super().remove_checkpoint, path)
+                self._submit(self._remove_unless_a_write_failed, path)
 
     def wait(self) -> None:
         """Returns once every save (held ones too) and removal is done; raises the first that failed."""
         self.close_point()
         queued, self._queued = self._queued, []
         errors = [f.exception() for f in queued]
+        self._write_failed = False  # said now, by the raise below
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error
@@ -145,7 +162,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except Exception as error:
             if handling is None:
                 raise
-            print(f"error: {error}", file=sys.stderr)  # beside the error the run is already failing with
+            said = error.strerror if isinstance(error, OSError) and error.strerror else error
+            print(f"error: {said}", file=sys.stderr)  # beside the error the run is already failing with
         finally:
             self.hold_points = False  # after a failed fit too, where Lightning skips the callbacks' teardown
             if self._writer is not None:
@@ -190,19 +208,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             for name, written in zip((*same, path), (*tmps[1:], tmp), strict=True):
                 current = name
                 os.replace(written, name)
-        except OSError as error:
+        except BaseException as error:
             for written in tmps:
-                written.unlink(missing_ok=True)
-            raise OSError(
-                error.errno,
-                f"could not save the checkpoint {current.name} in {current.parent} ({error.strerror or error}); the "
-                "checkpoints already there are intact. Free space there (or make it writable), then resume with "
-                "--ckpt_path last",
-            ) from error
-        except BaseException:
-            for written in tmps:
-                written.unlink(missing_ok=True)
-            raise
+                with contextlib.suppress(OSError):  # a read-only folder refuses this too: its own error is the one
+                    written.unlink(missing_ok=True)
+            cause = _os_error(error) if isinstance(error, OSError | RuntimeError) else None
+            if cause is None:
+                raise
+            self._write_failed = True
+            raise CheckpointWriteError(cause.errno, _could_not_save(current, cause)) from error
 
     def _write(self, checkpoint: dict[str, Any], f: BinaryIO) -> None:  # tests.faults.DiskFullOnSave cuts it short
         with crc32_off_in_this_thread() if not self.crc32 else contextlib.nullcontext():
@@ -215,6 +229,37 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not Path(path).is_file():
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return load_checkpoint_file(path, map_location=map_location)
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The ``OSError`` that made a write fail: ``error`` itself, or the one under torch's ``RuntimeError``."""
+    seen: BaseException | None = error
+    while seen is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    return seen
+
+
+def _could_not_save(path: Path, error: OSError) -> str:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "Free space there"
+    elif error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = "Make the folder writable"
+    elif error.errno == errno.EFBIG:
+        fix = "Allow larger files there (ulimit -f, the file system's own limit)"
+    else:
+        fix = "Fix the folder (its disk, its mount)"
+    for newest in checkpoints_newest_first(path.parent, "*.ckpt"):
+        try:
+            intact = f"the earlier checkpoint {newest} (step {read_global_step(newest)}) is intact"
+            break
+        except ResumeError:
+            continue
+    else:
+        intact = "no earlier checkpoint is there"
+    return (
+        f"could not save the checkpoint {path.name} in {path.parent}: {error.strerror or error} (writing "
+        f"{path.name}.tmp); {intact}. {fix}, then resume with --ckpt_path last"
+    )
 
 
 def wait_for_writes(trainer: Any) -> None:

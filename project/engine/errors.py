@@ -18,7 +18,9 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser
 from lightning.pytorch.utilities import rank_zero_only
 
+from project.engine.checkpoint_io import CheckpointWriteError
 from project.engine.compat import LightningChanged
+from project.engine.rank_failures import resume_command
 
 # What bad input raises once a run has started; anything else is a bug and keeps its traceback.
 # LightningChanged: a private API that moved (project.engine.compat) stops the run in one line, too
@@ -63,6 +65,8 @@ def one_line_errors() -> Iterator[None]:
             # Raised alike on every rank, it is said once, by rank 0. An error of this rank alone is named by rank
             # 0's report of a failed rank (project.engine.rank_failures) from the note this rank left.
             sys.exit(1)
+        if isinstance(error, CheckpointWriteError):  # a full disk, not a place in the code: the command to resume
+            sys.exit(f"error: {message}: {resume_command(sys.argv)}")
         sys.exit(f"error: {message} (raised at {_raised_at(error)}; JSONARGPARSE_DEBUG=1 shows the traceback)")
 
 
