@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from project.engine.checkpoint_io import AtomicCheckpointIO
+from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, REPO, STAND_IN, cli, newest_checkpoint, run_dirs
 
 pytestmark = pytest.mark.slow
@@ -55,6 +57,46 @@ def test_nan_on_one_ddp_rank_stops_every_rank_at_the_same_step(tmp_path):
     args = [*SMALL, *DDP2, "--trainer.max_epochs", "4", *nan_at(7, tmp_path / "hashes.json", rank=1)]
     proc = cli("fit", *args, cwd=tmp_path, check=False, timeout=120)
     assert_stopped_at_step_with_checkpoints_intact(proc, tmp_path, step=7, last_good_step=5)
+
+
+class CtrlCAgainDuringSave(AtomicCheckpointIO):
+    """The template's writer, which sends its process SIGINT (Ctrl-C again) as it starts writing the checkpoint of
+    global step ``step``, the first Ctrl-C's save, and takes a second more to write it: the main thread is waiting
+    for that save when the signal lands. ``--trainer.plugins tests.test_interrupts.CtrlCAgainDuringSave``."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def _write(self, checkpoint, f) -> None:
+        if checkpoint["global_step"] == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)
+        super()._write(checkpoint, f)
+
+
+@pytest.mark.parametrize("when", ["during training", "during the first one's save"])
+def test_a_second_ctrl_c_stops_at_once_with_exit_code_130_in_one_line(tmp_path, when):
+    # The first Ctrl-C comes before step 7's batch: the run stops after it and saves last.ckpt of step 8. The second
+    # comes in the same batch (a second KillAt), or while that save is being written (its writer sends it).
+    if when == "during training":
+        again = kill_at(7, sig=signal.SIGINT)
+    else:
+        again = ["--trainer.plugins", "tests.test_interrupts.CtrlCAgainDuringSave", "--trainer.plugins.step", "8"]
+    args = [*SMALL, "--trainer.max_epochs", "4", *kill_at(7, sig=signal.SIGINT), *again]
+    proc = cli("fit", *args, cwd=tmp_path, check=False, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 130, out[-3000:]  # not 1 (Lightning's KeyboardInterrupt ending), nor killed by SIGINT
+    assert "Traceback" not in out and "Detected KeyboardInterrupt" not in out, out[-3000:]
+    assert "Ctrl-C again: stopping at once, without saving" in out and "Interrupted: saved" not in out, out[-3000:]
+    (run,) = run_dirs(tmp_path)
+    folder = run / "checkpoints"
+    assert not list(folder.glob("*.tmp"))
+    steps = {p.name: torch.load(p, weights_only=True)["global_step"] for p in folder.glob("*.ckpt")}  # all complete
+    if when == "during training":
+        assert max(steps.values()) == 5, steps  # nothing saved after the epoch end before the Ctrl-Cs
+    else:
+        assert steps["last.ckpt"] == 8, steps  # the write under way was finished, not cut short
 
 
 def live_processes_in_group(pgid: int, wait: float = 10.0) -> list[str]:

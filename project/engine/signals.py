@@ -20,6 +20,18 @@ PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # 143
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # 130, Ctrl-C
 
 
+class CtrlCAgain(SystemExit):
+    """The second Ctrl-C: the run stops where it is, without saving, exit code 130.
+
+    A ``SystemExit``, not a ``KeyboardInterrupt``: Lightning ends a KeyboardInterrupt with ``sys.exit(1)``, and one
+    raised outside its handler (during the first Ctrl-C's save) ends in a traceback. Lightning's handler of any
+    other exception calls the callbacks' ``on_exception``, tears the run down (the loggers' files closed, a
+    checkpoint write under way finished) and raises it again: the exit code is this one's."""
+
+    def __init__(self) -> None:
+        super().__init__(INTERRUPTED_EXIT_CODE)
+
+
 class Preemption(Callback):
     """Turns a preemption signal or Ctrl-C into a saved ``last.ckpt`` and a non-zero exit.
 
@@ -32,7 +44,8 @@ class Preemption(Callback):
     Ctrl-C only sets a flag; at the next training batch end the ranks agree (one all-reduce of one value per step,
     under DDP only) and Lightning's SIGTERM stop runs on all of them at the same point. A validation that starts
     after that batch runs to its end first: Lightning would stop it after its first batch, where nothing can be
-    saved that resumes exactly. A second Ctrl-C aborts at once, without saving.
+    saved that resumes exactly. A second Ctrl-C, even during that save, stops at once without saving (a checkpoint
+    write under way is finished: cut short, it would be lost), also with exit code 130 (``CtrlCAgain``).
 
     The SIGINT and SIGUSR1 handlers found at ``setup`` (an IPython kernel's, a launcher's) are set back at
     ``teardown`` and after a failure.
@@ -55,9 +68,18 @@ class Preemption(Callback):
             signal.signal(signal.SIGINT, self._on_ctrl_c)
 
     def _on_ctrl_c(self, signum: int, _: Any) -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C: KeyboardInterrupt, no save
+        signal.signal(signal.SIGINT, self._on_ctrl_c_again)
         self._ctrl_c = True
-        rank_zero_info("\nCtrl-C: stopping after this batch and saving last.ckpt (Ctrl-C again: abort, no save).")
+        rank_zero_info(
+            "\nCtrl-C: stopping after this batch and saving last.ckpt (Ctrl-C again: stop at once, no save)."
+        )
+
+    def _on_ctrl_c_again(self, signum: int, _: Any) -> None:
+        rank_zero_info(
+            f"\nCtrl-C again: stopping at once, without saving (a checkpoint write under way is finished). Exit code "
+            f"{INTERRUPTED_EXIT_CODE}."
+        )
+        raise CtrlCAgain
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._restore()
@@ -102,7 +124,14 @@ class Preemption(Callback):
             request_stop_at_batch_end(trainer)  # Lightning stops right after this validation
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._restore()  # Lightning skips teardown after a failure
+        try:
+            self._stop(trainer, exception)
+        except CtrlCAgain:  # during the save: Lightning goes on to tear the run down and raises `exception`
+            exception.code = INTERRUPTED_EXIT_CODE  # type: ignore[attr-defined]  # a SIGTERMException: a SystemExit
+        finally:
+            self._restore()  # Lightning skips teardown after a failure; after the save: Ctrl-C again is ours
+
+    def _stop(self, trainer: L.Trainer, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):
             return
         path = last_checkpoint_path(trainer)
