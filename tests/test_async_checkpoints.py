@@ -419,3 +419,26 @@ def test_a_name_counts_as_taken_while_its_save_is_held_or_being_written(tmp_path
     io.remove_checkpoint(held)  # dropped from the top k before it was written
     assert not io.claims(held)
     io.teardown()
+
+
+@pytest.mark.slow  # two real fits in subprocesses (~14 s)
+def test_last_names_each_file_it_skips_and_why_in_a_line_that_ignored_warnings_do_not_hide(tmp_path):
+    import os
+
+    args = [*QUIET, "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1", "--model.warmup", "0",
+            "--model.net.init_args.hidden_sizes", "[32]"]  # fmt: skip
+    cli("fit", *args, "--trainer.max_epochs", "1", cwd=tmp_path)
+    folder = tmp_path / "runs" / RUN_NAME / "version_0" / "checkpoints"
+    last = folder / "last.ckpt"
+    cut = folder / "newer.ckpt"  # a copy cut short (a full disk, a copy killed half-way), newer than last.ckpt
+    cut.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    os.utime(cut, (last.stat().st_mtime + 10,) * 2)
+    (folder / "gone.ckpt").symlink_to("deleted.ckpt")  # a link to a file since deleted
+    ignored = {"PYTHONWARNINGS": "ignore"}  # as in many launch scripts and containers
+    proc = cli("fit", *args, "--trainer.max_epochs", "2", "--ckpt_path", "last", cwd=tmp_path, env=ignored)
+    out = proc.stdout + proc.stderr
+    relative = f"runs/{RUN_NAME}/version_0/checkpoints"
+    damaged = f"Skipping a checkpoint that does not load: {relative}/newer.ckpt is not a readable checkpoint: it is"
+    assert f"{damaged} not a zip archive" in out, out[-3000:]
+    assert f"Skipping a link to nothing: {relative}/gone.ckpt -> deleted.ckpt" in out, out[-3000:]
+    assert f"--ckpt_path last: resuming from {relative}/last.ckpt (global step 3)" in out, out[-3000:]

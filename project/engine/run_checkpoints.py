@@ -2,9 +2,10 @@
 a checkpoint's global step read without unpickling code or reading its tensors.
 """
 
+import os
 from pathlib import Path
 
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from project.engine.best import best_checkpoint
 from project.engine.checkpoint_files import CheckpointLoadError, load_checkpoint_file
@@ -61,12 +62,18 @@ def run_of(checkpoint: Path) -> Path:
 
 
 def find_last_checkpoint(family: Path) -> tuple[Path, int] | None:
-    """The most recently written checkpoint of any run under ``family`` that loads, and its global step."""
+    """The most recently written checkpoint of any run under ``family`` that loads, and its global step.
+
+    Rank 0 says in one line each file it passes over and why (a printed line, not a warning, which
+    ``PYTHONWARNINGS=ignore`` would hide): a link to nothing, a file that does not load; the caller names the one
+    taken."""
+    for link in (p for pattern in RUN_CHECKPOINTS for p in family.glob(pattern) if p.is_symlink() and not p.exists()):
+        rank_zero_info(f"Skipping a link to nothing: {link} -> {os.readlink(link)}")
     for path in checkpoints_newest_first(family, *RUN_CHECKPOINTS):
         try:
             return path, read_global_step(path)
         except ResumeError as error:
-            rank_zero_warn(f"Skipping {error}")
+            rank_zero_info(f"Skipping a checkpoint that does not load: {error}")
     return None
 
 
