@@ -87,3 +87,50 @@ def test_ones_own_model_checkpoint_monitoring_what_run_monitor_names_is_the_best
     assert f"best val/loss {losses[best_step]:.4f}" in summary, summary
     # Lightning's default file name of the user's callback, at the step of the lowest val/loss TensorBoard shows
     assert f"step={best_step + 1}.ckpt" in summary, (summary, losses)
+
+
+REGRESS = [*QUIET, "--model", "tests.fixtures.kinds.DictRegress", "--data", "tests.fixtures.kinds.KindData",
+           "--data.as_dict", "true", "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "4"]  # fmt: skip
+
+
+def test_ones_own_monitor_judges_the_run_not_the_base_configs_val_acc(tmp_path):
+    """A module logging ``val_mse`` (never the example's ``val/acc``) with its own ModelCheckpoint in its own list:
+    that checkpoint is the run's best, for the summary and ``--ckpt_path best``; no best-k of the engine's."""
+    config = tmp_path / "own.yaml"
+    config.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+                      "      init_args: {monitor: val_mse, mode: min, save_last: true}\n")  # fmt: skip
+    proc = cli("fit", *REGRESS, "--config", str(config), cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert "monitor: 'val_mse' (min), the ModelCheckpoint of trainer.callbacks; the base config's run.monitor " \
+           "'val/acc' is set aside" in out, out[-3000:]  # fmt: skip
+    (run,) = run_dirs(tmp_path, "kind")
+    mse = dict(scalars(run)["val_mse"])
+    best_step = min(mse, key=mse.get)
+    (summary,) = [line for line in proc.stdout.splitlines() if line.startswith("Run summary:")]
+    assert f"best val_mse {mse[best_step]:.4f}" in summary and f"step={best_step + 1}.ckpt" in summary, summary
+    assert not list((run / "checkpoints").glob("best-*"))  # run.monitor's best-k was not built beside it
+    proc = cli("validate", *REGRESS, "--ckpt_path", "best", cwd=tmp_path)
+    assert f"step={best_step + 1}.ckpt (best val_mse {mse[best_step]:.4f}, mode min" in proc.stdout + proc.stderr
+
+
+def test_two_monitors_that_disagree_are_named_and_run_monitor_judges(tmp_path):
+    config = tmp_path / "own.yaml"
+    config.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+                      "      init_args: {monitor: train_mse, mode: min}\n")  # fmt: skip
+    proc = cli("fit", *REGRESS, "--config", str(config), "--run.monitor", "val_mse", "--run.mode", "min",
+               cwd=tmp_path)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert "two monitors: run.monitor 'val_mse' picks the best checkpoint, the summary and a sweep's objective; a " \
+           "ModelCheckpoint of trainer.callbacks also keeps files by 'train_mse'" in out, out[-3000:]  # fmt: skip
+    assert "Run summary: best val_mse" in out
+
+
+def test_a_module_without_validation_is_judged_by_a_training_metric_or_stopped_in_one_line(tmp_path):
+    no_val = [*REGRESS, "--model", "tests.fixtures.no_validation.NoValidation"]
+    proc = cli("fit", *no_val, cwd=tmp_path, check=False)  # the base config's val/acc can never be logged
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "run.monitor is 'val/acc', which the module did not log by the end of the first training epoch (it " \
+           "logs: train_mse)" in proc.stderr, proc.stderr[-3000:]  # fmt: skip
+    proc = cli("fit", *no_val, "--run.monitor", "train_mse", "--run.mode", "min", cwd=tmp_path)
+    (summary,) = [line for line in proc.stdout.splitlines() if line.startswith("Run summary:")]
+    assert "best train_mse" in summary and "best-epoch" in summary, summary

@@ -140,3 +140,51 @@ def test_export_consolidates_a_sharded_checkpoint(reference, tmp_path):
     with torch.no_grad():
         assert torch.equal(net(x), reference_net(x)), f"seed {seed}"
     assert all(torch.equal(pth[k], v) for k, v in oracle.items())
+
+
+def test_a_real_sharded_checkpoint_carrying_code_or_missing_a_shard_is_refused_and_last_passes_over_it(
+    reference, tmp_path
+):
+    """The payload of tests/test_unpicklers.py in front of a real run's index (the resume would otherwise finish
+    with exit 0, saying nothing), and a folder that lost a shard after its save: validate, export and
+    ``fit --ckpt_path last`` on the real CLI, the earlier files unchanged."""
+    import hashlib
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.test_unpicklers import in_front_of, payload
+
+    shutil.copytree(reference / "runs", tmp_path / "runs")
+    (run,) = run_dirs(tmp_path)
+    checkpoints = run / "checkpoints"
+    marker, evil = tmp_path / "payload-ran", checkpoints / "last.ckpt"
+    index = evil / ".metadata"
+    index.write_bytes(in_front_of(payload("torch.distributed.checkpoint.filesystem", "os.system", f"touch {marker}"),
+                                  index.read_bytes()))  # fmt: skip
+    best = sorted(checkpoints.glob("best-*"), key=lambda p: p.stat().st_mtime)  # the newest two complete folders
+    lost = best[-1] / "__1_0.distcp"
+    lost.unlink()  # the newest folder after last.ckpt, now incomplete: `last` must take the one before it
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run.rglob("*")) if p.is_file()}
+    one_rank = [*FSDP, "--trainer.devices", "1"]
+
+    proc = cli("validate", *one_rank, "--ckpt_path", str(evil), cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "could run code" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    export = subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), str(evil), "--format", "pth",
+                             "--out", str(tmp_path / "out")], env={"PYTHONPATH": str(REPO)}, capture_output=True,
+                            text=True)  # fmt: skip
+    assert export.returncode != 0 and "could run code" in export.stderr and "Traceback" not in export.stderr
+    proc = cli("fit", *one_rank, "--ckpt_path", str(best[-1]), cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "__1_0.distcp is missing" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    others = [p for p in checkpoints.iterdir() if p not in (evil, best[-1])]
+    newest_whole = max(others, key=lambda p: p.stat().st_mtime).relative_to(tmp_path)
+    proc = cli("fit", *one_rank, "--trainer.max_epochs", "3", "--ckpt_path", "last", cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert "could run code" in out and "__1_0.distcp is missing" in out, out[-3000:]  # each skip said
+    assert f"resuming from {newest_whole} " in out, out[-3000:]
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    # the resume wrote new files beside them, never over one, but for the run's own last.ckpt, which it refreshes
+    kept = {p: h for p, h in before.items() if evil not in p.parents}
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in kept if p.is_file()} == kept

@@ -19,6 +19,7 @@ from project.engine.checkpoint_policy import CheckpointPolicy
 from project.engine.compat import cli_section
 from project.engine.config import (
     SaveConfigOnce,
+    base_monitor,
     default_config_candidates,
     find_default_config,
     start_from_class_defaults,
@@ -28,7 +29,7 @@ from project.engine.errors import check_yaml_files, one_line_errors, root_cause
 from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
 from project.engine.loggers import let_appended_loggers_parse
-from project.engine.monitor import CheckMonitored, monitor_callbacks
+from project.engine.monitor import CheckMonitored, run_monitor_callbacks
 from project.engine.one_file_per_point import OneFilePerPoint
 from project.engine.predictions import PredictionWriter
 from project.engine.profiler import NoProfiler
@@ -130,13 +131,12 @@ class CLI(LightningCLI):
             callbacks += [self.run_folder, Guarantees(self.run_plan, self.unknown_loggers, policy)]
         # run.monitor's ModelCheckpoint and EarlyStopping (in every subcommand: a checkpoint names their states),
         # checked before either acts
-        from_run = monitor_callbacks(cli_section(self, self.config_init, "run"))
+        from_run, said = run_monitor_callbacks(cli_section(self, self.config_init, "run"), callbacks, base_monitor())
+        if said and self.subcommand == "fit":
+            rank_zero_only(print)(said, flush=True)
         checks = [CheckMonitored(from_run)] if self.subcommand == "fit" else []
-        # a ModelCheckpoint of the config's that monitors what run.monitor does, as the engine's would: the user's
-        # is that one (Lightning refuses two callbacks with one state key)
-        from_run = [c for c in from_run if not any(g.state_key == c.state_key for g in callbacks)]
         # last.ckpt, the periodic files, the LR curve, the summary: whatever list the config gave
-        callbacks = [*checks, *callbacks, *policy.callbacks(callbacks), *from_run]
+        callbacks = [*checks, *from_run, *callbacks, *policy.callbacks(callbacks)]
         plugins = config.get("plugins") or []
         kwargs["plugins"] = policy.plugins([*plugins] if isinstance(plugins, list) else [plugins])
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):

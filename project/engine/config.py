@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import lightning as L
+import yaml
 from lightning.pytorch.cli import SaveConfigCallback
 
 DEFAULT_CONFIG = Path("configs") / "default.yaml"
@@ -20,6 +21,17 @@ def default_config_candidates() -> list[Path]:
 
 def find_default_config() -> Path | None:
     return next((path for path in default_config_candidates() if path.is_file()), None)
+
+
+def base_monitor() -> str | None:
+    """``run.monitor`` of the base config (``configs/default.yaml``: the example's), ``None`` without one."""
+    path = find_default_config()
+    if path is None:
+        return None
+    with open(path) as f:
+        config = yaml.safe_load(f) or {}
+    run = config.get("run") if isinstance(config, dict) else None
+    return run.get("monitor") if isinstance(run, dict) else None
 
 
 class SaveConfigOnce(SaveConfigCallback):

@@ -9,6 +9,7 @@
 - progress-bar values read at a bar's refresh, from host copies (``compat_logging.read_bar_values_without_waiting``),
   Lightning's conversion at every batch end after;
 - the SIGINT, SIGTERM and SIGUSR1 handlers (``project.engine.signals``, Lightning's), the caller's again after.
+- ``PROJECT_RUN_DIR``, the run folder rank 0 claimed for the ranks it starts (``project.engine.runs``), as it was.
 
 ``KeepFreedHostMemory`` (``project.engine.host_memory``), a callback, undoes its malloc setting itself; the
 checkpoint writer's CRC-32 setting is per thread (``compat_torch.crc32_off_in_this_thread``).
@@ -16,6 +17,7 @@ checkpoint writer's CRC-32 setting is per thread (``compat_torch.crc32_off_in_th
 
 import contextlib
 import gc
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from typing import Any
 
 from project.engine.compat_logging import read_bar_values_without_waiting, skip_moves_already_done
 from project.engine.console import quiet_console
+from project.engine.runs import RUN_DIR_ENV
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
 _freezing = False  # whether the run in progress froze the heap (and unfreezes it after)
@@ -38,6 +41,7 @@ def for_the_run() -> Iterator[None]:
     # are left out of those passes (the few dozen that are already garbage are kept); later ones are collected.
     freeze = not _freezing and gc.get_freeze_count() == 0
     undo_moves = undo_bar = lambda: None
+    run_dir = os.environ.get(RUN_DIR_ENV)
     try:
         with quiet_console():
             if freeze:
@@ -47,6 +51,10 @@ def for_the_run() -> Iterator[None]:
             undo_bar = read_bar_values_without_waiting()  # no device sync per prog_bar value and step
             yield
     finally:
+        if run_dir is None:
+            os.environ.pop(RUN_DIR_ENV, None)
+        else:
+            os.environ[RUN_DIR_ENV] = run_dir
         undo_bar()
         undo_moves()
         if freeze:

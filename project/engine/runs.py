@@ -32,6 +32,7 @@ from project.engine.run_checkpoints import (
 )
 from project.engine.sharded import is_checkpoint_folder
 
+RUN_DIR_ENV = "PROJECT_RUN_DIR"  # the folder rank 0 claimed, for the ranks it starts
 RUN_RECORD = "run.json"  # the run's logger ids, for a resume to continue the same MLflow/W&B run
 
 
@@ -122,18 +123,23 @@ def next_version_dir(family: Path) -> Path:
 def claim_next_version(family: Path) -> Path:
     """The next ``version_N``, made here by rank 0 with an exclusive ``mkdir`` before anything is built: runs
     started together (a sweep's workers, a job array) each get a folder of their own, never one another's. The
-    other ranks only name it; they take rank 0's folder once the processes meet (``RunFolder.setup``). A run that
+    other ranks only name it (``RUN_DIR_ENV``, under Lightning's launcher, which starts them from rank 0) and take
+    rank 0's folder once the processes meet (``RunFolder.setup``; under torchrun each rank plans alone). A run that
     fails before writing into it removes it (``run_folder.clean_up_failed_start``)."""
     if rank_zero_only.rank != 0:
-        return next_version_dir(family)
+        given = os.environ.get(RUN_DIR_ENV)  # rank 0's claim, when rank 0 started this process
+        return Path(given) if given and Path(given).parent == family else next_version_dir(family)
     family.mkdir(parents=True, exist_ok=True)
     while True:
         path = next_version_dir(family)
         try:
             path.mkdir()
-            return path
         except FileExistsError:  # another run took it between the listing and the mkdir: the next one
             continue
+        # Lightning's ddp launcher starts the other ranks with this process's environment: they name this folder
+        # from the start (their failure notes land in it); set for the run only (project.engine.run_scope)
+        os.environ[RUN_DIR_ENV] = str(path)
+        return path
 
 
 def check_save_dir(family: Path) -> None:

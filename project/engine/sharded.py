@@ -185,7 +185,6 @@ def _safe_reader_and_planner() -> tuple[type, type]:
 
 def _load(state: dict[str, Any], path: Path, single_process: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
-
     from torch.distributed.checkpoint.api import CheckpointException
 
     reader, planner = _safe_reader_and_planner()

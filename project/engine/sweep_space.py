@@ -64,9 +64,11 @@ def candidates(spec: dict[str, Any]) -> list[Any]:
 
 
 def fit_objective(fit: list[str]) -> tuple[str | None, str]:
-    """``run.monitor`` and ``run.mode`` of ``fit FIT``, as the trials' own runs read them."""
-    run = _fit_cli(fit).config["run"]
-    return run.monitor, run.mode
+    """The monitor and mode of ``fit FIT``, as the trials' own runs read them: their first ``ModelCheckpoint`` with
+    a monitor (``run.monitor``'s, or the config's own), else ``(None, run.mode)``."""
+    cli = _fit_cli(fit)
+    checkpoint = next((c for c in cli.trainer.checkpoint_callbacks if getattr(c, "monitor", None)), None)
+    return (checkpoint.monitor, checkpoint.mode) if checkpoint is not None else (None, cli.config["run"].mode)
 
 
 def check_space(space: dict[str, dict[str, Any]], fit: list[str]) -> None:
