@@ -29,10 +29,16 @@ if __name__ == "__main__":
         help="one sample's shape for tracing onnx/pt2, e.g. 1,8,8 (float32); default: the module's example_input_array,"
         " else two samples of the run's data",
     )
+    parser.add_argument(
+        "--config",
+        help="a config naming model: (and data:) for a checkpoint outside a run folder, e.g. one plain Lightning "
+        "wrote; default: the run's config.yaml",
+    )
     args = parser.parse_args()
     try:
         example = torch.rand(2, *map(int, args.input_shape.split(","))) if args.input_shape else None
-        for path in export(args.ckpt, args.out, FORMATS if args.format == "all" else (args.format,), example):
+        formats = FORMATS if args.format == "all" else (args.format,)
+        for path in export(args.ckpt, args.out, formats, example, config_path=args.config):
             print(f"wrote {path}")
     except (ValueError, OSError) as error:  # not a checkpoint, not exportable, output exists: one line, exit 2
         parser.error(str(error))

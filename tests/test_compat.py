@@ -649,3 +649,20 @@ def test_fit_loop_epoch_loop_batches_that_stepped_is_the_loggers_step_one_per_ba
     gone = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
     with pytest.raises(LightningChanged, match=r"_batches_that_stepped.*Lightning \d"):
         logging_step(gone)
+
+
+def test_lightning_cli_parse_ckpt_path_is_what_reads_a_checkpoints_hyperparameters():
+    """ParsesPlainLightningCheckpoints overrides LightningCLI._parse_ckpt_path: it must still be the method that
+    LightningCLI calls once the arguments are parsed, reading a checkpoint's hyper_parameters into the config (what
+    the override does with them: tests/test_plain_lightning.py)."""
+    import inspect
+
+    from lightning.pytorch.cli import LightningCLI
+
+    from project.engine.cli import CLI
+    from project.engine.compat import ParsesPlainLightningCheckpoints
+
+    assert "_parse_ckpt_path" in vars(LightningCLI), "LightningCLI no longer has _parse_ckpt_path"
+    assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI), "LightningCLI no longer calls it"
+    assert "hyper_parameters" in inspect.getsource(LightningCLI._parse_ckpt_path)
+    assert CLI.__mro__.index(ParsesPlainLightningCheckpoints) < CLI.__mro__.index(LightningCLI)

@@ -118,7 +118,7 @@ def test_a_dotted_name_in_a_checkpoint_file_or_a_dcp_value_is_refused_unrun(tmp_
         mappings = {"extra": ("extra",)}
 
     class Item:
-        class dest_index:  # noqa: N801 - DCP's attribute name
+        class dest_index:  # DCP's attribute name
             fqn = "extra"
 
     with pytest.raises(pickle.UnpicklingError):

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from project.engine.after_fit import test_best
 from project.engine.checkpoint_files import check_fits
 from project.engine.checkpoint_policy import CheckpointPolicy
-from project.engine.compat import cli_section
+from project.engine.compat import ParsesPlainLightningCheckpoints, cli_section
 from project.engine.config import (
     SaveConfigOnce,
     base_monitor,
@@ -48,7 +48,7 @@ from project.engine.user_loaders import UserLoaders
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
-class CLI(LightningCLI):
+class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
     run_plan: RunPlan | None = None
     run_folder: RunFolder | None = None
     folder_before: FolderBefore | None = None  # a continued run's folder as found, for a failed start to restore

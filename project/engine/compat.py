@@ -6,6 +6,8 @@ attribute, on a Lightning version where one changed.
 - ``Trainer._signal_connector.received_sigterm``: set at a batch end, it makes every rank stop there through
   Lightning's own SIGTERM path (``project.engine.signals``: Ctrl-C agreed by all ranks).
 - ``LightningCLI._get``: reads the trainer section of the parsed config (``project.engine.cli``).
+- ``LightningCLI._parse_ckpt_path``: overridden (``ParsesPlainLightningCheckpoints``) so that a checkpoint plain
+  Lightning wrote builds the configured class from its hyperparameters (``project.engine.cli``).
 - ``ModelParallelStrategy._data_parallel_size`` / ``_tensor_parallel_size``: the mesh sizes its
   ``setup_environment`` reads; ``auto`` data parallelism is set to every rank (``project.engine.sharded``).
 - ``Callback._generate_state_key``'s format, ``ClassName{'monitor': ..., 'mode': ...}``: the key a checkpoint files
@@ -218,3 +220,38 @@ def launched_children(trainer: L.Trainer) -> list[Any]:
 
 # Keys LightningCLI adds to a module's and a data module's hparams: bookkeeping, not hyperparameters.
 CLI_HPARAM_KEYS = ("_class_path", "_instantiator")
+
+
+class ParsesPlainLightningCheckpoints:
+    """``LightningCLI._parse_ckpt_path``, which builds the model from a checkpoint's ``hyper_parameters``, for a
+    checkpoint that plain Lightning wrote too (``Trainer.fit`` without the CLI: the module's own
+    ``save_hyperparameters()``, no ``_class_path``). Lightning's reads such hyperparameters as arguments of the
+    ``model`` key itself and fails ("Parsing of ckpt_path hyperparameters failed!"); here they become the
+    configured class's ``init_args``, those of its signature only (``save_hyperparameters(ignore=...)`` and
+    ``self.hparams`` additions are not arguments). A mixin of ``project.engine.cli.CLI``, before ``LightningCLI``.
+    """
+
+    def _parse_ckpt_path(self) -> None:
+        import importlib
+        import inspect
+        from pathlib import Path
+
+        from jsonargparse import Namespace
+
+        config = self.config  # type: ignore[attr-defined]
+        subcommand = config.get("subcommand")
+        ckpt_path = config[subcommand].get("ckpt_path") if subcommand else None
+        model = config[subcommand].get("model") if subcommand else None
+        if not (ckpt_path and Path(ckpt_path).is_file() and isinstance(model, Namespace) and model.get("class_path")):
+            return super()._parse_ckpt_path()  # type: ignore[misc]
+        hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu", mmap=True).get("hyper_parameters")
+        if not isinstance(hparams, dict) or not hparams or "_class_path" in hparams or "_instantiator" in hparams:
+            return super()._parse_ckpt_path()  # type: ignore[misc]  # a LightningCLI checkpoint (or none)
+        module_name, _, class_name = model.class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        arguments = set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
+        own = {k: v for k, v in hparams.items() if k in arguments}
+        if own:
+            update = {subcommand: {"model": {"class_path": model.class_path, "init_args": own}}}
+            self.config = self.parser.parse_object(update, config)  # type: ignore[attr-defined]
+        return None

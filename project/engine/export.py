@@ -18,11 +18,13 @@ it (strictly), and the module itself, in eval mode, is what is exported. A shard
 a tuple is positional inputs, a dict keyword inputs, else one input), else two samples of one batch of the run's
 data module (predict loader, else val loader). Of a batch: a dict gives the entries that ``forward``'s parameters
 name, each as that parameter (positional where it can be; else the whole dict is the one input); a tuple or list
-gives its first element (``(x, y)``). The line ``export`` says names which.
+gives its first element (``(x, y)``), or as many as ``forward`` has required positional parameters
+(``forward(inputs, target)``). The line ``export`` says names which.
 A module that cannot be exported raises ``ValueError`` naming the format and the reason; outputs are never
 overwritten.
 """
 
+import importlib
 import inspect
 import json
 import logging
@@ -53,14 +55,31 @@ def _state_dict(ckpt_path: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint_file(ckpt_path)["state_dict"]
 
 
-def _run_config(ckpt_path: Path) -> dict[str, Any]:
-    path = ckpt_path.resolve().parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt
+def _run_config(ckpt_path: Path, config_path: Path | None = None) -> dict[str, Any]:
+    path = config_path or ckpt_path.resolve().parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt
     if not path.is_file():
+        where = f"no such file: {path}" if config_path else f"no config.yaml at {path}"
         raise ValueError(
-            f"{ckpt_path} is not in a run folder's checkpoints/ (no config.yaml at {path}), and the run's config "
-            "names the model class to rebuild: export it where fit saved it, runs/<name>/version_N/checkpoints/"
+            f"{ckpt_path} is not in a run folder's checkpoints/ ({where}), and a config names the model class to "
+            "rebuild: export it where fit saved it (runs/<name>/version_N/checkpoints/), or give --config FILE "
+            "with model: your.Module (a checkpoint of plain Lightning)"
         )
     return yaml.safe_load(path.read_text()) or {}
+
+
+def _with_checkpoint_hparams(recipe: dict[str, Any], ckpt_path: Path) -> dict[str, Any]:
+    """The recipe with the arguments of a plain Lightning checkpoint's ``hyper_parameters`` that the class takes
+    and the config does not set: ``save_hyperparameters()`` kept what built the saved network."""
+    if ckpt_path.is_dir():
+        return recipe
+    hparams = load_checkpoint_file(ckpt_path, mmap=True).get("hyper_parameters")
+    if not isinstance(hparams, dict) or "_class_path" in hparams:  # none, or the CLI's (config.yaml has them)
+        return recipe
+    module_name, _, class_name = recipe["class_path"].rpartition(".")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    takes = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    given = {k: v for k, v in hparams.items() if k in takes and k not in recipe["init_args"]}
+    return {**recipe, "init_args": {**given, **recipe["init_args"]}}
 
 
 def _recipe(section: Any, what: str) -> dict[str, Any]:
@@ -71,14 +90,17 @@ def _recipe(section: Any, what: str) -> dict[str, Any]:
     return {"class_path": section["class_path"], "init_args": section.get("init_args") or {}}
 
 
-def load_checkpoint_module(ckpt_path: str | Path) -> tuple[LightningModule, dict[str, Any], dict[str, Any]]:
-    """The run's ``LightningModule`` with the checkpoint's weights, in eval mode; its recipe; the run's config."""
+def load_checkpoint_module(
+    ckpt_path: str | Path, config_path: str | Path | None = None
+) -> tuple[LightningModule, dict[str, Any], dict[str, Any]]:
+    """The run's ``LightningModule`` with the checkpoint's weights, in eval mode; its recipe; the run's config
+    (``config_path``, else the run folder's ``config.yaml``)."""
     path = Path(ckpt_path)
     if not path.exists():
         raise ValueError(f"{ckpt_path}: no such checkpoint file or folder")
     state_dict = _state_dict(path)  # first: a file that is no checkpoint is said to be one, wherever it is
-    config = _run_config(path)
-    recipe = _recipe(config.get("model"), "model")
+    config = _run_config(path, Path(config_path) if config_path is not None else None)
+    recipe = _with_checkpoint_hparams(_recipe(config.get("model"), "model"), path)
     module = build(recipe, LightningModule)
     module.configure_model()  # layers a module builds there, as Lightning does before loading
     try:
@@ -133,7 +155,16 @@ def example_inputs(module: LightningModule, config: dict[str, Any]) -> tuple[Inp
             return (bound.args, bound.kwargs), f"a batch of {loader}: its {', '.join(named)}, by forward's names"
         return ((dict(batch),), {}), f"a batch of {loader}: the dict as the one input"
     if isinstance(batch, tuple | list):
-        return ((batch[0],), {}), f"a batch of {loader}: its first element as the input"
+        # forward(x) of an (x, y) batch takes its first element; forward(inputs, target) (Lightning's demo
+        # transformer) as many as it has required positional parameters
+        required = [
+            p
+            for p in _forward_parameters(module).values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
+        n = min(max(len(required), 1), len(batch))
+        what = "its first element as the input" if n == 1 else f"its first {n} elements as forward's {n} inputs"
+        return (tuple(batch[:n]), {}), f"a batch of {loader}: {what}"
     return ((batch,), {}), f"a batch of {loader} as the input"
 
 
@@ -230,13 +261,15 @@ def export(
     example: Any = None,
     name: str = "model",
     say: Callable[[str], None] = print,
+    config_path: str | Path | None = None,
 ) -> list[Path]:
     """Writes ``out_dir/<name>.<format>`` for each format and returns the paths written (``model.onnx.data``
     too, when the ONNX exporter puts the weights there).
 
     ``example``: an input for tracing (``onnx``, ``pt2``) as ``example_input_array`` is given; ``None``: see the
     module docstring. ``say`` gets one line: what ``forward`` was traced on. Checks every target before writing
-    any: an existing file raises ``FileExistsError``.
+    any: an existing file raises ``FileExistsError``. ``config_path``: a config naming ``model`` (and ``data``), for
+    a checkpoint outside a run folder (one plain Lightning wrote).
     """
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
@@ -248,7 +281,7 @@ def export(
     clashes = [p for p in [*targets.values(), *beside] if p.exists()]
     if clashes:
         raise FileExistsError(f"{clashes[0]} exists; choose another --out (exports never overwrite)")
-    module, recipe, config = load_checkpoint_module(ckpt_path)
+    module, recipe, config = load_checkpoint_module(ckpt_path, config_path)
     class_path = recipe["class_path"]
     traced = [fmt for fmt in formats if fmt in ("onnx", "pt2")]
     inputs: Inputs = ((), {})

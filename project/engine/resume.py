@@ -63,6 +63,7 @@ class ExactResume(Callback):
         self._metrics: dict[str, Metric] = {}
         self._not_trained: dict[str, Metric] = {}  # not updated by a training step yet: validation's, or unused
         self._metrics_to_restore: list[dict[str, dict[str, Any]]] | None = None
+        self._loaded = False  # the checkpoint resumed from held this callback's state
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -140,6 +141,7 @@ class ExactResume(Callback):
         return {"ranks": rng, "metrics": metrics, "threads": threads, **shape}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = True
         self._to_restore = state_dict["ranks"]
         self._metrics_to_restore = state_dict.get("metrics")  # absent from checkpoints of earlier versions
         self.saved_world = len(state_dict["ranks"])
@@ -150,6 +152,12 @@ class ExactResume(Callback):
     def notes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
         """What of the original run a resume on another number of ranks cannot continue, for the start line."""
         out = []
+        if trainer.ckpt_path is not None and not self._loaded:
+            out.append(
+                "the checkpoint holds no resume state of the engine's (plain Lightning wrote it): the random streams, "
+                "the data position within the epoch and the epoch's metric states start afresh; weights, optimizer, "
+                "LR schedule and step counters continue"
+            )
         saved = self._threads_saved
         if saved is not None and saved != torch.get_num_threads() and trainer.strategy.root_device.type == "cpu":
             out.append(
