@@ -171,3 +171,38 @@ def test_two_workers_run_trials_at_once_each_once_with_one_workers_results(tmp_p
     assert len(pids) == 2, pids
     spans = sorted((t.datetime_start, t.datetime_complete) for t in two.trials)
     assert any(later[0] < earlier[1] for earlier, later in itertools.pairwise(spans)), spans
+
+
+def _sweep(tmp_path: Path, name: str, monitor: str) -> subprocess.CompletedProcess:
+    """Two trials of a module without validation_step, one epoch each, optimising ``monitor``."""
+    config = {
+        "name": name, "root": str(tmp_path / "runs"), "trials": 2, "seed": 0, "monitor": monitor,
+        "direction": "minimize",
+        "fit": [*QUIET, "--model", "tests.fixtures.no_validation.NoValidation", "--data",
+                "tests.fixtures.kinds.KindData", "--data.as_dict", "true", "--trainer.max_epochs", "1",
+                "--trainer.limit_train_batches", "3"],
+        "space": {"model.init_args.lr": {"type": "float", "low": 0.01, "high": 0.1, "log": True}},
+    }  # fmt: skip
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "project", "sweep", "--config", str(path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_a_sweep_optimises_a_training_metric_of_a_module_without_validation(tmp_path):
+    proc = _sweep(tmp_path, "train_metric", "train_mse")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    study = load(tmp_path, "train_metric")
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2, proc.stdout[-2000:]
+    for trial in study.trials:  # the value reported at the epoch's end is the last train_mse the trial logged
+        logged = torch.load(next((tmp_path / "runs" / "train_metric" / f"trial_{trial.number}").glob(
+            "version_*/checkpoints/last.ckpt")), weights_only=True)  # fmt: skip
+        assert trial.value == pytest.approx(min(trial.intermediate_values.values())) and logged["global_step"] == 3
+
+
+def test_a_sweep_whose_every_trial_failed_exits_non_zero(tmp_path):
+    proc = _sweep(tmp_path, "all_fail", "not_logged")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "error: every trial of sweep 'all_fail' failed" in proc.stderr, proc.stderr[-2000:]
+    assert [t.state for t in load(tmp_path, "all_fail").trials] == [optuna.trial.TrialState.FAIL] * 2

@@ -135,10 +135,15 @@ def sweep_main(argv: list[str]) -> None:
     helpers = [_start_helper(argv) for _ in range(config.workers - 1)]
     code = work(sweep)
     codes = [code] + [helper.wait() for helper in helpers]
+    study = optuna.load_study(study_name=sweep.name, storage=open_storage(sweep.storage))
     if config.report:
-        study = optuna.load_study(study_name=sweep.name, storage=open_storage(sweep.storage))
         print(report(study, sweep.folder, sweep.monitor), flush=True)
-    sys.exit(next((c for c in codes if c), 0))
+    code = next((c for c in codes if c), 0)
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    if code == 0 and states and all(s == optuna.trial.TrialState.FAIL for s in states):
+        # a sweep that found nothing is not a success: a job array or script must see it
+        sys.exit(f"error: every trial of sweep {sweep.name!r} failed (each trial's fit.log in {sweep.folder} says why)")
+    sys.exit(code)
 
 
 def open_study(sweep: Sweep, create: bool, error: Any) -> optuna.Study:

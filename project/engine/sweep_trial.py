@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 import optuna
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 TRIAL_RECORD = "trial.json"
 
@@ -30,7 +31,8 @@ def trial_id(storage: optuna.storages.BaseStorage, study_name: str, number: int)
 
 
 class ReportToStudy(L.Callback):
-    """Reports ``monitor`` after each validation as the trial's intermediate value at the epoch, and prunes.
+    """Reports ``monitor`` after each validation (after each training epoch, for a module without
+    ``validation_step``) as the trial's intermediate value at the epoch, and prunes.
 
     Rank 0 alone talks to the study and decides; the decision is broadcast, so every rank sets ``should_stop`` at
     the same validation and the run ends at the same step everywhere (a pruned run keeps its checkpoints). A pruned
@@ -77,8 +79,14 @@ class ReportToStudy(L.Callback):
             trainer.should_stop = True
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
+        if not trainer.sanity_checking:
+            self._report(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not is_overridden("validation_step", pl_module):  # a module without validation: its training metrics
+            self._report(trainer)
+
+    def _report(self, trainer: L.Trainer) -> None:
         if self.monitor not in trainer.callback_metrics:  # on every rank (they log alike): none waits for rank 0
             logged = ", ".join(sorted(trainer.callback_metrics)) or "nothing"
             raise ValueError(f"the sweep's monitor {self.monitor!r} is not logged (logged: {logged}); fix monitor")
