@@ -25,7 +25,7 @@ from project.engine.config import (
     start_from_class_defaults,
 )
 from project.engine.distributed import DestroyProcessGroup
-from project.engine.errors import check_yaml_files, one_line_errors, root_cause
+from project.engine.errors import OneLineParser, check_yaml_files, one_line_errors, root_cause
 from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
 from project.engine.loggers import let_appended_loggers_parse
@@ -193,7 +193,8 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
                         FitScheduleToRun(),
                     ]
                 },
-                # The usage line, not all 60 options, above an error; --help lists them.
+                # Each error in one line, without the usage line; the short usage atop --help, not all 60 options.
+                parser_class=OneLineParser,
                 parser_kwargs={sub: kwargs for sub in ([only] if only else SUBCOMMANDS)} if run else kwargs,
                 args=args,
                 run=run,
