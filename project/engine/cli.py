@@ -148,7 +148,8 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         if config.get("logger") in (False, []) and any(isinstance(c, LearningRateMonitor) for c in callbacks):
             # it refuses a Trainer without a logger; `--trainer.logger false` should not need a second flag
             callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-        kwargs["callbacks"] = callbacks
+        runs = cli_section(self, self.config_init, "run")
+        kwargs["callbacks"] = [*callbacks, UserLoaders(seed_per_sample=runs.seed_per_sample)]  # samplers put in
         if config.get("profiler") is None:
             kwargs["profiler"] = NoProfiler()
         return super().instantiate_trainer(**kwargs)
@@ -189,7 +190,6 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
                         *(ExactResume(), Preemption(), StopOnNonFinite(), RankFailures(), DestroyProcessGroup()),
                         OneFilePerPoint(),
                         PredictionWriter(),
-                        UserLoaders(),
                         FitScheduleToRun(),
                     ]
                 },

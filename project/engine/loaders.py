@@ -33,6 +33,8 @@ class ResumableSampler(DistributedSampler):
     same number of full batches and the padding does not depend on the number of ranks. ``pad=False`` (evaluation)
     gives each index to exactly one rank, so metrics reduced across ranks equal the single-process value; ranks may
     then run different numbers of batches.
+    ``epoch_in_keys``: hand out ``epoch * len(dataset) + index``, the key of a dataset seeded per sample
+    (``project.engine.sample_seeds``).
     ``source``: a sampler whose kind of draw is kept (``RandomSampler`` with or without replacement,
     ``SubsetRandomSampler``, ``WeightedRandomSampler``), drawn from a generator seeded with ``seed + epoch`` instead
     of its own; ``None``: a permutation of the dataset when ``shuffle``, else its order.
@@ -51,8 +53,10 @@ class ResumableSampler(DistributedSampler):
         source: Sampler | None = None,
         drop_last: bool = False,
         global_batch: int | None = None,
+        epoch_in_keys: bool = False,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.epoch_in_keys = epoch_in_keys
         multiple = global_batch or num_replicas
         if multiple % num_replicas:
             raise ValueError(f"global_batch ({multiple}) must be a multiple of the number of ranks ({num_replicas})")
@@ -76,6 +80,8 @@ class ResumableSampler(DistributedSampler):
             order = torch.cat([order, order.repeat(-(-short // total))[:short]])
         mine = order[self.rank :: world][self.skip :]
         self.skip = 0
+        if self.epoch_in_keys:  # the key a dataset seeded per sample decodes (project.engine.sample_seeds)
+            mine = mine + self.epoch * len(self.dataset)  # type: ignore[arg-type]
         return iter(mine.tolist())
 
 

@@ -55,6 +55,11 @@ class Runs:
             ``EarlyStopping``); ``None``: never stops early.
         test_after_fit: When ``fit`` finishes (not when it is stopped), run ``test`` on its best checkpoint in the
             same process, on every rank, logging ``test/*`` into the same run (``project.engine.after_fit``).
+        seed_per_sample: In loader workers, random draws in a training ``Dataset.__getitem__`` (augmentation from
+            torch's, numpy's or Python's global generator) seeded from ``(seed, epoch, index)``, so that a resume,
+            another number of workers or ranks augment each sample alike (``project.engine.sample_seeds``; ~8 us a
+            sample). ``false``: each worker's own stream, as plain PyTorch, and the start line says a resume is
+            inexact.
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class Runs:
         save_top_k: int = 3,
         patience: int | None = None,
         test_after_fit: bool = False,
+        seed_per_sample: bool = True,
     ) -> None:
         if name is not None and (not name or "/" in name or name in (".", "..")):
             raise ValueError(f"run.name ({name!r}) must be one folder name, without '/'")
@@ -78,6 +84,7 @@ class Runs:
         if patience is not None and monitor is None:
             raise ValueError(f"run.patience ({patience}) stops on run.monitor, which is null: give --run.monitor KEY")
         self.root, self.name, self.test_after_fit = root, name, test_after_fit
+        self.seed_per_sample = seed_per_sample
         self.monitor, self.mode, self.save_top_k, self.patience = monitor, mode, save_top_k, patience
 
 

@@ -25,6 +25,7 @@ from torch.utils.data import (
 from project.engine.compat import loader_with_sampler, uses_distributed_sampler
 from project.engine.elastic import global_batch
 from project.engine.loaders import ResumableDataLoader, ResumableSampler, check_eval_share, check_train_batch
+from project.engine.sample_seeds import can_seed, worker_init
 
 HOOKS = {f"{split}_dataloader": split for split in ("train", "val", "test", "predict")}
 # The samplers whose order the engine redraws from (seed, epoch); any other is the user's own and left alone.
@@ -47,7 +48,8 @@ class UserLoaders(Callback):
     the instances in ``setup`` and restored in ``teardown``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, seed_per_sample: bool = True) -> None:
+        self.seed_per_sample = seed_per_sample  # run.seed_per_sample (project.engine.sample_seeds)
         self.notes: dict[str, list[str]] = {}
         self._wrapped: list[tuple[Any, str]] = []
 
@@ -67,7 +69,7 @@ class UserLoaders(Callback):
         def with_engine_samplers() -> Any:
             loaders = hook()
             combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders)
-            rebuilt = [engine_loader(loader, trainer, split) for loader in combined.flattened]
+            rebuilt = [self._engine_loader(loader, trainer, split) for loader in combined.flattened]
             combined.flattened = [loader for loader, _ in rebuilt]
             self.notes[split] = [f"{split} loader {i}: {note}" for i, (_, note) in enumerate(rebuilt) if note]
             return loaders if isinstance(loaders, CombinedLoader) else combined.iterables
@@ -75,9 +77,23 @@ class UserLoaders(Callback):
         with_engine_samplers.__wrapped__ = hook  # type: ignore[attr-defined]  # Lightning's is_overridden reads it
         return with_engine_samplers
 
+    def _engine_loader(self, loader: Any, trainer: L.Trainer, split: str) -> tuple[Any, str | None]:
+        rebuilt, note = engine_loader(loader, trainer, split, self.seed_per_sample)
+        sampler = getattr(rebuilt, "sampler", None)
+        if isinstance(sampler, ResumableSampler) and sampler.epoch_in_keys:
+            # each worker seeds its own copy of the dataset as it starts, then runs the user's worker_init_fn
+            rebuilt.worker_init_fn = worker_init(sampler.seed, rebuilt.worker_init_fn)
+        elif split == "train" and note is None and getattr(loader, "num_workers", 0) and not self.seed_per_sample:
+            note = (
+                "run.seed_per_sample is off: random draws in the dataset's __getitem__ depend on the loader worker "
+                "that fetches each sample, so a resume augments differently"
+            )
+        return rebuilt, note
 
-def engine_loader(loader: Any, trainer: L.Trainer, split: str) -> tuple[Any, str | None]:
-    """``loader`` with the engine's sampler, or ``loader`` itself; and the guarantee it gives up (``None``: none)."""
+
+def engine_loader(loader: Any, trainer: L.Trainer, split: str, seeded: bool = False) -> tuple[Any, str | None]:
+    """``loader`` with the engine's sampler, or ``loader`` itself; and the guarantee it gives up (``None``: none).
+    ``seeded``: a train loader's sampler hands out the keys of a dataset seeded per sample (``sample_seeds``)."""
     if not isinstance(loader, DataLoader) or saves_its_state(loader):
         return loader, None  # not a DataLoader (Lightning takes it as it is), or one that saves its own state
     ranks = trainer.distributed_sampler_kwargs or {}  # the data-parallel ranks (under sharding, not every rank)
@@ -112,6 +128,7 @@ def engine_loader(loader: Any, trainer: L.Trainer, split: str) -> tuple[Any, str
         source=source,
         drop_last=drop_last,
         global_batch=per_step,
+        epoch_in_keys=seeded and train and loader.num_workers > 0 and can_seed(loader.dataset),
     )
     batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
     if train and batch_size is not None:
