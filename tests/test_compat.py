@@ -433,6 +433,39 @@ def test_ddp_launcher_procs_and_gloo_peer_messages():
     assert all(is_peer_gone(RuntimeError(f"[../gloo/transport/tcp/pair.cc:534] {text}")) for text in PEER_GONE)
 
 
+def test_ddp_launchers_child_process_observer_waits_for_the_report_before_it_kills_every_rank():
+    """``child_observer_waits``: ``_ChildProcessObserver``'s ``_run``, ``_child_processes`` (the launcher's list
+    itself) and its SIGKILL of ``main_pid`` and the children once one has failed, as the engine relies on them."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    from project.engine.compat import child_observer_waits
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    main = subprocess.Popen(sleep)  # stands in for rank 0, which the observer SIGKILLs (not this test's process)
+    procs = [subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]), subprocess.Popen(sleep)]
+    try:
+        observer = _ChildProcessObserver(main_pid=main.pid, child_processes=procs, sleep_period=0.05)  # 5 s in fact
+        observer.start()
+        trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=SimpleNamespace(procs=procs)))
+        alive_while_waiting = []
+        undo = child_observer_waits(trainer, lambda: (time.sleep(0.5), alive_while_waiting.append(main.poll())))
+        assert "_run" in vars(observer), "no _ChildProcessObserver watches the launcher's procs"
+        observer.join(timeout=30)
+        assert alive_while_waiting == [None], "the observer killed rank 0 before the engine's report"
+        assert main.wait(timeout=10) == -9 and procs[1].wait(timeout=10) == -9  # then Lightning's kill, as before
+        undo()
+        assert "_run" not in vars(observer)
+    finally:
+        for proc in (main, *procs):
+            proc.kill()
+            proc.wait()
+
+
 def test_lightning_cli_hparam_keys_are_the_ones_the_summary_leaves_out():
     from project.engine.cli import cli_main
     from project.engine.compat import CLI_HPARAM_KEYS

@@ -62,9 +62,10 @@ What it guarantees, and what user code does to get each guarantee:
   ``sweep_report``): an Optuna study whose trials are ordinary ``fit`` runs with every guarantee above; killed and
   restarted, it continues each trial from its ``last.ckpt``. User code: log the metric the sweep monitors
   (``run.monitor`` unless it names another).
-- **A console worth reading** (``console``, ``rank_failures``): expected warnings silenced one by one, each run
-  said once by rank 0; a dead DDP rank ends the run in one line naming it, the intact checkpoint and the resume
-  command. Nothing to do; ``PROJECT_VERBOSE=1`` shows every line.
+- **A console worth reading** (``console``, ``rank_failures``, ``hang_watchdog``): expected warnings silenced one by
+  one, each run said once by rank 0; a dead DDP rank, or one that makes no progress for ``run.hang_timeout`` (300 s;
+  a stopped process, a stuck collective or data loader), ends the run in one line naming it, its step, the intact
+  checkpoint and the resume command. Nothing to do; ``PROJECT_VERBOSE=1`` shows every line.
 - **Private Lightning APIs** live in ``compat`` (and torch's in ``compat_torch``, ``self.log``'s in
   ``compat_logging``) only, each tested by name (a scan of the engine's source fails on one elsewhere); on a
   layout it does not know, the engine stops in one line naming the attribute and the version.

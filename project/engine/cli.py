@@ -28,6 +28,7 @@ from project.engine.distributed import DestroyProcessGroup
 from project.engine.errors import OneLineParser, check_yaml_files, one_line_errors, root_cause
 from project.engine.guarantees import Guarantees
 from project.engine.guards import StopOnNonFinite
+from project.engine.hang_watchdog import HangWatchdog
 from project.engine.loggers import let_appended_loggers_parse
 from project.engine.monitor import CheckMonitored, run_monitor_callbacks
 from project.engine.one_file_per_point import OneFilePerPoint
@@ -148,8 +149,10 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         if config.get("logger") in (False, []) and any(isinstance(c, LearningRateMonitor) for c in callbacks):
             # it refuses a Trainer without a logger; `--trainer.logger false` should not need a second flag
             callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+        # a dead rank, or a hung one (run.hang_timeout), ends the run in one line; before DestroyProcessGroup
+        failures = RankFailures()
         runs = cli_section(self, self.config_init, "run")
-        kwargs["callbacks"] = [*callbacks, UserLoaders(seed_per_sample=runs.seed_per_sample)]  # samplers put in
+        kwargs["callbacks"] = [*callbacks, failures, HangWatchdog(runs.hang_timeout, failures.report)]
         if config.get("profiler") is None:
             kwargs["profiler"] = NoProfiler()
         return super().instantiate_trainer(**kwargs)
@@ -183,13 +186,14 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
                 only=only,
                 save_config_callback=SaveConfigOnce,
                 # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run
-                # looks finished / predict writes nothing / a dead rank ends in a traceback wall / the saves of one
-                # validation are written once each / an LR schedule does not fit the run.
+                # looks finished / predict writes nothing / the saves of one validation are written once each / an LR
+                # schedule does not fit the run. (A dead or hung rank's report comes from instantiate_trainer.)
                 trainer_defaults={
                     "callbacks": [
-                        *(ExactResume(), Preemption(), StopOnNonFinite(), RankFailures(), DestroyProcessGroup()),
+                        *(ExactResume(), Preemption(), StopOnNonFinite(), DestroyProcessGroup()),
                         OneFilePerPoint(),
                         PredictionWriter(),
+                        UserLoaders(),
                         FitScheduleToRun(),
                     ]
                 },

@@ -31,6 +31,8 @@ attribute, on a Lightning version where one changed.
   (``count_pending_saves_as_files``, ``project.engine.one_file_per_point``).
 - The keys LightningCLI adds to ``hparams`` (``CLI_HPARAM_KEYS``, ``project.engine.summary``).
 - The ``ddp`` launcher's ``procs`` (``launched_children``, ``project.engine.rank_failures``).
+- The ``ddp`` launcher's ``_ChildProcessObserver`` thread and its ``_run``, made to wait for the engine's report of a
+  failed rank before it kills every rank (``child_observer_waits``, ``project.engine.rank_failures``).
 - ``fit_loop.epoch_loop._batches_that_stepped``: the step Lightning gives the loggers (one per batch that stepped,
   whatever the optimizer steps in it), read to know which logged steps a checkpoint covers
   (``logging_step``, ``project.engine.run_folder``).
@@ -41,6 +43,7 @@ Lightning (or torch) version: the engine stops rather than continue inexactly.
 
 import ast
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -216,6 +219,49 @@ def logging_step(trainer: L.Trainer) -> int:
 def launched_children(trainer: L.Trainer) -> list[Any]:
     """The other ranks' processes, when Lightning's ``ddp`` launcher started them from this one (else ``[]``)."""
     return list(getattr(trainer.strategy.launcher, "procs", None) or [])
+
+
+def child_observer_waits(trainer: L.Trainer, wait: Callable[[], object]) -> Callable[[], None]:
+    """Lightning's ``ddp`` launcher starts a thread, ``_ChildProcessObserver``, whose ``_run`` polls the ranks it
+    started every 5 s and, when one has failed, logs so and SIGKILLs every rank and this process too, whatever this
+    process is doing: printing the engine's report of that failure, say. From now on, when a rank has failed, it first
+    calls ``wait()``. Returns what undoes it (the instance's own method again; the class is untouched)."""
+    # Upstream, the observer would let the launcher process say why and end itself (a SIGTERM or a hook, then SIGKILL
+    # after a grace period) rather than SIGKILL it mid-sentence: Lightning issue #16285 ("Use SIGTERM instead of
+    # SIGKILL on DDP Errors", open) asks it of the kill that preceded the observer; its PR #16307 (SIGINT, then
+    # SIGKILL later) was closed unmerged, and the observer (PR #18218) kept the SIGKILL.
+    # https://github.com/Lightning-AI/pytorch-lightning/issues/16285
+    procs = getattr(trainer.strategy.launcher, "procs", None)
+    if not procs:
+        return lambda: None
+    try:
+        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    except ImportError:
+        raise LightningChanged("subprocess_script._ChildProcessObserver of lightning.fabric is gone") from None
+    if not callable(getattr(_ChildProcessObserver, "_run", None)):
+        raise LightningChanged("_ChildProcessObserver._run is gone")
+    # the observer of these processes (Lightning passes it the launcher's own list); it ends once one has failed
+    observers = [
+        thread
+        for thread in threading.enumerate()
+        if isinstance(thread, _ChildProcessObserver) and getattr(thread, "_child_processes", None) is procs
+    ]
+    for observer in observers:
+        vars(observer).pop("_run", None)
+        run = observer._run
+
+        def run_once_reported(run: Callable[[], bool] = run) -> bool:
+            if any(proc.poll() for proc in procs):  # a non-zero exit code: a rank failed
+                wait()
+            return run()
+
+        observer._run = run_once_reported
+
+    def undo() -> None:
+        for observer in observers:
+            vars(observer).pop("_run", None)
+
+    return undo
 
 
 # Keys LightningCLI adds to a module's and a data module's hparams: bookkeeping, not hyperparameters.

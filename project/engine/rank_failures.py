@@ -14,15 +14,26 @@ and one of them (rank 0, or the lowest surviving rank when rank 0 is the one tha
 its exception's first line in ``<run>/.failures/`` for the reporter. ``PROJECT_FAILURE_REPORT=FILE`` also writes
 the line to FILE (``scripts/train_resilient.sh`` repeats it when it restarts). Under torchrun or SLURM the
 launcher reports failed ranks itself and this stays out of the way. Tested with 2 ranks on CPU (gloo); with more,
-when rank 0 dies each survivor prints the line.
+when rank 0 dies each survivor prints the line. A rank that hangs rather than dies is reported through ``report``
+too (``project.engine.hang_watchdog``).
+
+Lightning's launcher has a watcher of its own, ``_ChildProcessObserver``: every 5 s it polls the ranks, and when one
+failed it SIGKILLs all of them and rank 0 with them, at once, without a word. Rank 0 sees a death within 0.2 s, but
+printing the line takes a moment too (finding the intact checkpoint): in 1 of 23 kills of rank 1 during a save
+Lightning's poll fell in that moment and the run ended with exit code 137 and only Lightning's message. Here its kill
+first waits for this report (``compat.child_observer_waits``), which ends the process itself; when this reports
+nothing (a deliberate stop), Lightning's kill follows ``HOLD_S`` later.
 """
 
+import contextlib
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import lightning as L
@@ -30,7 +41,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from project.engine.compat import launched_children
+from project.engine.compat import child_observer_waits, launched_children
 from project.engine.compat_torch import PEER_GONE
 from project.engine.config import SWITCHABLE
 from project.engine.run_checkpoints import find_last_checkpoint
@@ -42,6 +53,7 @@ NOTES = ".failures"  # in the run folder: "<rank>.txt" holds the first line of t
 DELIBERATE = (KeyboardInterrupt, SystemExit, SIGTERMException)
 STOP_CODES = (PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE)
 WAIT_S = 5.0  # how long a survivor waits to learn which rank died and how
+HOLD_S = WAIT_S + 5.0  # how long Lightning's observer waits for this report before it kills every rank
 
 
 def is_peer_gone(error: BaseException) -> bool:
@@ -67,6 +79,12 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join(["python", "-m", "project", *args, "--ckpt_path", "last"])
 
 
+def launched_by_lightning(trainer: L.Trainer) -> bool:
+    """A multi-process run whose ranks Lightning's ``ddp`` launcher started (not torchrun/SLURM): the other ranks of
+    this machine are its local rank 0's children."""
+    return trainer.world_size > 1 and type(trainer.strategy.cluster_environment) is LightningEnvironment
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
@@ -82,12 +100,14 @@ class RankFailures(Callback):
         self.children: list = []
         self._watcher: threading.Thread | None = None
         self._done = self._own_error = False
-        self._lock = threading.Lock()  # one report per process: the watcher's or on_exception's
+        self._lock = threading.Lock()  # one report per process: the watcher's, on_exception's or a hang's
+        self._settled = threading.Event()  # set once this process reports nothing: Lightning's observer may kill
+        self._undo_observer = lambda: None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.rank = trainer.global_rank
         # Lightning's launcher (not torchrun/SLURM) started the ranks: the others are rank 0's children
-        self.active = trainer.world_size > 1 and type(trainer.strategy.cluster_environment) is LightningEnvironment
+        self.active = launched_by_lightning(trainer)
         self.parent = os.getppid()
         self.children = launched_children(trainer)
         self.notes = Path(trainer.default_root_dir) / NOTES
@@ -95,7 +115,11 @@ class RankFailures(Callback):
         if self.active and self.rank == 0 and self.notes.is_dir():
             for old in self.notes.glob("*.txt"):  # an earlier failure of this run folder
                 old.unlink(missing_ok=True)
+        if self.active and self.children:
+            self._settled.clear()
+            self._undo_observer = child_observer_waits(trainer, lambda: self._settled.wait(HOLD_S))
         if self.active and self._watcher is None:
+            self._done = False
             # Not only the next collective's error: rank 0 may be far from one (and Lightning's own observer
             # SIGKILLs it, silently, within 5 s of a child's death), and NCCL reports a dead peer only at its timeout.
             # So rank 0 watches its children, and the others watch rank 0, their parent.
@@ -103,7 +127,17 @@ class RankFailures(Callback):
             self._watcher.start()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._done = True  # before DestroyProcessGroup's barrier (this callback comes first): rank 0 may exit next
+        self._end()  # before DestroyProcessGroup's barrier (this callback comes first): rank 0 may exit next
+
+    def _end(self) -> None:
+        """Nothing to report: the watcher stops, and Lightning's observer is as it was."""
+        self._done = True
+        self._settled.set()
+        self._undo_observer()
+        self._undo_observer = lambda: None
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join()
 
     def _watch(self) -> None:
         while not self._done:
@@ -111,9 +145,9 @@ class RankFailures(Callback):
                 code = proc.poll()
                 # a signal, or an exception this rank left a note for; not a deliberate exit (NaN stop, preemption)
                 if code and code not in STOP_CODES and not self._own_error and (code < 0 or self._note(i + 1)):
-                    self._report(i + 1, self._how(i + 1, code))
+                    self.report(i + 1, self._how(i + 1, code))
             if self.rank != 0 and os.getppid() != self.parent and not self._done and not self._own_error:
-                self._report(0, self._rank0_how())
+                self.report(0, self._rank0_how())
             time.sleep(0.2)
 
     def _rank0_how(self) -> str:
@@ -122,11 +156,12 @@ class RankFailures(Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not self.active or isinstance(exception, DELIBERATE):
-            self._done = True  # every rank stops here on purpose; a rank exiting first is no failure
+            self._end()  # every rank stops here on purpose; a rank exiting first is no failure
             return
         if not is_peer_gone(exception):
             self._own_error = True
             self._leave_note(exception)  # this rank's own error: its traceback follows, the reporter names it
+            self._settled.set()
             return
         deadline = time.monotonic() + WAIT_S
         if self.rank == 0:
@@ -134,9 +169,10 @@ class RankFailures(Callback):
                 time.sleep(0.05)
             failed = [(i + 1, p.returncode) for i, p in enumerate(self.children) if p.returncode]
             if not failed:
+                self._settled.set()
                 return  # no child is gone: not a dead peer after all; the traceback stays
             dead, code = failed[0]
-            self._report(dead, self._how(dead, code))
+            self.report(dead, self._how(dead, code))
         else:
             # rank 0 is the parent: when it is gone this process is re-parented
             while time.monotonic() < deadline and os.getppid() == self.parent and not self._note(0):
@@ -145,7 +181,7 @@ class RankFailures(Callback):
                 return  # rank 0 lives: it reports (another rank died)
             while time.monotonic() < deadline and os.getppid() == self.parent:
                 time.sleep(0.05)  # rank 0 raised; let its traceback come first
-            self._report(0, self._rank0_how())
+            self.report(0, self._rank0_how())
 
     def _leave_note(self, exception: BaseException) -> None:
         if self.notes is not None:
@@ -164,10 +200,12 @@ class RankFailures(Callback):
         note = self._note(rank)
         return f"raised {note}" if note else f"exited with code {code}"
 
-    def _report(self, rank: int, how: str) -> None:
+    def report(self, rank: int, how: str, others: Iterable[int] = ()) -> None:
+        """Prints the line for ``rank`` ("rank 1 ``how``; ...") and ends the run: this process, the ranks it started
+        and the processes ``others`` (other ranks, when this one did not start them). Thread-safe; never returns."""
         if not self._lock.acquire(blocking=False):
             time.sleep(60)  # the other thread is reporting and ends the process
-        for proc in self.children:  # the other ranks, still waiting in a collective
+        for proc in self.children:  # the other ranks, still waiting in a collective (or stopped: SIGKILL ends it)
             if proc.poll() is None:
                 proc.kill()
         found = find_last_checkpoint(self.family)
@@ -181,6 +219,14 @@ class RankFailures(Callback):
         print(line, file=sys.stderr, flush=True)
         if os.environ.get(REPORT_ENV):  # for a restarting script: what happened, without the command it runs itself
             Path(os.environ[REPORT_ENV]).write_text(f"rank {rank} {how}; {saved[0].lower()}{saved[1:-1]}\n")
+        own = {proc.pid for proc in self.children}
+        for pid in others:  # after the line: the shell returns when rank 0 ends, and this may be its child
+            if pid not in own and pid != os.getpid():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        for proc in self.children:  # reaped: no process of the run is left, not even a zombie
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
         # At once: unwinding would print the gloo traceback of this rank, and a child still in a collective could
         # wait; exit code 1 like any failed run.
         os._exit(1)

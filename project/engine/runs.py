@@ -55,11 +55,10 @@ class Runs:
             ``EarlyStopping``); ``None``: never stops early.
         test_after_fit: When ``fit`` finishes (not when it is stopped), run ``test`` on its best checkpoint in the
             same process, on every rank, logging ``test/*`` into the same run (``project.engine.after_fit``).
-        seed_per_sample: In loader workers, random draws in a training ``Dataset.__getitem__`` (augmentation from
-            torch's, numpy's or Python's global generator) seeded from ``(seed, epoch, index)``, so that a resume,
-            another number of workers or ranks augment each sample alike (``project.engine.sample_seeds``; ~8 us a
-            sample). ``false``: each worker's own stream, as plain PyTorch, and the start line says a resume is
-            inexact.
+        hang_timeout: Seconds without progress on any rank of a DDP run (no training, validation, test or predict
+            batch, no checkpoint save) after which the run ends in one line naming the rank that stopped, its step,
+            the intact checkpoint and the resume command (``project.engine.hang_watchdog``): 300 by default, well
+            under the 30 minutes a collective waits for a peer before it fails. ``None``: never.
     """
 
     def __init__(
@@ -71,7 +70,7 @@ class Runs:
         save_top_k: int = 3,
         patience: int | None = None,
         test_after_fit: bool = False,
-        seed_per_sample: bool = True,
+        hang_timeout: float | None = 300.0,
     ) -> None:
         if name is not None and (not name or "/" in name or name in (".", "..")):
             raise ValueError(f"run.name ({name!r}) must be one folder name, without '/'")
@@ -83,8 +82,10 @@ class Runs:
             raise ValueError(f"run.patience ({patience}) must be >= 1, or null for no early stopping")
         if patience is not None and monitor is None:
             raise ValueError(f"run.patience ({patience}) stops on run.monitor, which is null: give --run.monitor KEY")
+        if hang_timeout is not None and not hang_timeout > 0:
+            raise ValueError(f"run.hang_timeout ({hang_timeout}) must be > 0 seconds, or null to never end a hung run")
         self.root, self.name, self.test_after_fit = root, name, test_after_fit
-        self.seed_per_sample = seed_per_sample
+        self.hang_timeout = hang_timeout
         self.monitor, self.mode, self.save_top_k, self.patience = monitor, mode, save_top_k, patience
 
 
