@@ -152,7 +152,12 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         # a dead rank, or a hung one (run.hang_timeout), ends the run in one line; before DestroyProcessGroup
         failures = RankFailures()
         runs = cli_section(self, self.config_init, "run")
-        kwargs["callbacks"] = [*callbacks, failures, HangWatchdog(runs.hang_timeout, failures.report)]
+        kwargs["callbacks"] = [
+            *callbacks,
+            failures,
+            HangWatchdog(runs.hang_timeout, failures.report),
+            UserLoaders(seed_per_sample=runs.seed_per_sample),  # samplers put in
+        ]
         if config.get("profiler") is None:
             kwargs["profiler"] = NoProfiler()
         return super().instantiate_trainer(**kwargs)
@@ -193,7 +198,6 @@ def cli_main(args: ArgsType = None, run: bool = True) -> CLI | None:
                         *(ExactResume(), Preemption(), StopOnNonFinite(), DestroyProcessGroup()),
                         OneFilePerPoint(),
                         PredictionWriter(),
-                        UserLoaders(),
                         FitScheduleToRun(),
                     ]
                 },

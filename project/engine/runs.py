@@ -59,6 +59,11 @@ class Runs:
             batch, no checkpoint save) after which the run ends in one line naming the rank that stopped, its step,
             the intact checkpoint and the resume command (``project.engine.hang_watchdog``): 300 by default, well
             under the 30 minutes a collective waits for a peer before it fails. ``None``: never.
+        seed_per_sample: In loader workers, random draws in a training ``Dataset.__getitem__`` (augmentation from
+            torch's, numpy's or Python's global generator) seeded from ``(seed, epoch, index)``, so that a resume,
+            another number of workers or ranks augment each sample alike (``project.engine.sample_seeds``; ~8 us a
+            sample). ``false``: each worker's own stream, as plain PyTorch, and the start line says a resume is
+            inexact.
     """
 
     def __init__(
@@ -71,6 +76,7 @@ class Runs:
         patience: int | None = None,
         test_after_fit: bool = False,
         hang_timeout: float | None = 300.0,
+        seed_per_sample: bool = True,
     ) -> None:
         if name is not None and (not name or "/" in name or name in (".", "..")):
             raise ValueError(f"run.name ({name!r}) must be one folder name, without '/'")
@@ -85,7 +91,7 @@ class Runs:
         if hang_timeout is not None and not hang_timeout > 0:
             raise ValueError(f"run.hang_timeout ({hang_timeout}) must be > 0 seconds, or null to never end a hung run")
         self.root, self.name, self.test_after_fit = root, name, test_after_fit
-        self.hang_timeout = hang_timeout
+        self.hang_timeout, self.seed_per_sample = hang_timeout, seed_per_sample
         self.monitor, self.mode, self.save_top_k, self.patience = monitor, mode, save_top_k, patience
 
 
