@@ -1,5 +1,6 @@
 """The LightningModule: loss, metrics, optimizer and LR schedule around any classification network."""
 
+import math
 from typing import Any, Literal
 
 import lightning as L
@@ -52,8 +53,8 @@ class Classifier(L.LightningModule):
         sample_images: int = 16,
     ) -> None:
         super().__init__()
-        if lr <= 0:
-            raise ValueError(f"lr ({lr}) must be > 0")
+        if not 0 < lr < math.inf:  # nan and inf too (YAML's .nan, .inf, 1e999 are floats)
+            raise ValueError(f"lr ({lr}) must be a finite number > 0")
         if weight_decay < 0:
             raise ValueError(f"weight_decay ({weight_decay}) must be >= 0")
         if warmup < 0:

@@ -17,7 +17,7 @@ SPACE_OK = "{model.init_args.lr: {type: float, low: 1.0e-3, high: 1.0e-2, log: t
         # a misspelt key: the fit parser itself refuses it
         ("{model.init_args.lrr: {type: float, low: 1.0e-3, high: 1.0e-2}}", "model.init_args.lrr"),
         # an end of the range that the model's constructor refuses
-        ("{model.init_args.lr: {type: float, low: 0.0, high: 1.0e-2}}", "lr (0.0) must be > 0"),
+        ("{model.init_args.lr: {type: float, low: 0.0, high: 1.0e-2}}", "lr (0.0) must be a finite number > 0"),
         # a range Optuna would refuse, and a spec field it does not know
         ("{model.init_args.lr: {type: float, low: 1.0e-2, high: 1.0e-3}}", "low (0.01) must be <= high (0.001)"),
         ("{model.init_args.lr: {type: float, low: 1.0e-3, hi: 1.0e-2}}", "unknown field(s) ['hi']"),

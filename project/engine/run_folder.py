@@ -169,3 +169,6 @@ def clean_up_failed_start(
         shutil.rmtree(plan.dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             plan.dir.parent.rmdir()  # the run family, when this was its only run
+        for folder in reversed(plan.made):  # run.root too, when this run made it
+            with contextlib.suppress(OSError):
+                folder.rmdir()

@@ -105,6 +105,7 @@ class RunPlan:
     global_step: int | None = None
     record: dict[str, Any] = field(default_factory=dict)  # run.json of the continued run
     log_step: int | None = None  # the loggers' step the continued run starts at (read_positions)
+    made: tuple[Path, ...] = ()  # the folders above dir that planning it created (run.root, the run family)
 
     @property
     def version(self) -> int:
@@ -132,6 +133,13 @@ def family_dir(config: Namespace) -> Path:
 def next_version_dir(family: Path) -> Path:
     versions = [int(p.name[8:]) for p in family.glob("version_*") if p.is_dir() and p.name[8:].isdigit()]
     return family / f"version_{max(versions, default=-1) + 1}"
+
+
+def new_version(family: Path, **fields: Any) -> RunPlan:
+    """A plan for the next version, claimed (``claim_next_version``); it names the folders the claim created, for a
+    failed start to remove them again (``run_folder.clean_up_failed_start``)."""
+    made = tuple(p for p in reversed([family, *family.parents]) if not p.exists())
+    return RunPlan(claim_next_version(family), made=made if rank_zero_only.rank == 0 else (), **fields)
 
 
 def claim_next_version(family: Path) -> Path:
@@ -181,13 +189,13 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
     check_save_dir(family)
     ckpt_path = config.get("ckpt_path")
     if ckpt_path is None or ckpt_path in ("hpc", "registry"):
-        return RunPlan(claim_next_version(family))
+        return new_version(family)
     if ckpt_path == "best" or (Path(ckpt_path).is_dir() and not is_checkpoint_folder(Path(ckpt_path))):
         path = find_best_checkpoint(ckpt_path, family)
         config["ckpt_path"] = str(path)
         # a new version even for fit: starting from a run's best is a branch, the run itself is never written into
         global_step = read_global_step(path)
-        return RunPlan(claim_next_version(family), resumed_from=path, global_step=global_step)
+        return new_version(family, resumed_from=path, global_step=global_step)
     if ckpt_path == "last":
         found = find_last_checkpoint(family)
         if found is None and subcommand != "fit":  # evaluating random weights is never what was asked for
@@ -198,7 +206,7 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
         if found is None:
             rank_zero_info(f"--ckpt_path last: no checkpoint under {family}/*/; starting from scratch.")
             config["ckpt_path"] = None
-            return RunPlan(claim_next_version(family))
+            return new_version(family)
         path, global_step = found
         if subcommand == "fit":  # an evaluation's start line names the checkpoint (project.engine.guarantees)
             rank_zero_info(f"--ckpt_path last: resuming from {path} (global step {global_step})")
@@ -224,4 +232,4 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
         record = json.loads(record_file.read_text()) if record_file.is_file() else {}
         log_step = read_positions(path)[1]  # the loggers count batches, not optimizer steps
         return RunPlan(family / run_dir.name, True, path, global_step, record, log_step)
-    return RunPlan(claim_next_version(family), resumed_from=path, global_step=global_step)
+    return new_version(family, resumed_from=path, global_step=global_step)

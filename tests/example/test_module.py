@@ -36,7 +36,9 @@ def test_a_few_real_steps_reduce_the_loss(net_class, tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"lr": -0.1}, r"lr \(-0.1\) must be > 0"),
+        ({"lr": -0.1}, r"lr \(-0.1\) must be a finite number > 0"),
+        ({"lr": float("nan")}, r"lr \(nan\) must be a finite number > 0"),
+        ({"lr": float("inf")}, r"lr \(inf\) must be a finite number > 0"),
         ({"weight_decay": -1.0}, "weight_decay"),
         ({"warmup": 20, "max_schedule": 10}, r"warmup \(20\) must be <= max_schedule \(10\)"),
         ({"interval": "epoch", "schedule_unit": "step"}, "schedule_unit='epoch'"),
