@@ -25,3 +25,17 @@ def test_two_rank_fit_writes_exactly_one_run(workdir):
     logged = scalars(run)
     assert len(logged["val/acc"]) == 2 and 0.5 < logged["val/acc"][-1][1] <= 1
     assert len(logged["train/loss"]) == 2 * per_rank_batches
+
+
+def test_parameters_unused_in_a_steps_loss_under_ddp_are_one_line_naming_the_strategy_that_allows_them(tmp_path):
+    """A GAN's two optimizers (each step's loss leaves the other network's parameters without a gradient), under DDP
+    without find_unused_parameters: Lightning's RuntimeError on both ranks, a traceback wall of ~185 lines before."""
+    gan = ["--model", "tests.fixtures.kinds.TwoOptimizers", "--data", "tests.fixtures.kinds.KindData",
+           "--run.monitor", "null", "--trainer.max_epochs", "1"]  # fmt: skip
+    proc = cli("fit", *QUIET, *DDP2, *gan, cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--trainer.strategy ddp_find_unused_parameters_true" in errors[0], errors
+    assert not (tmp_path / "runs").exists()  # it trained no batch: no run folder left
+    fixed = cli("fit", *QUIET, *DDP2, *gan, "--trainer.strategy", "ddp_find_unused_parameters_true", cwd=tmp_path)
+    assert fixed.returncode == 0

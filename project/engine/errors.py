@@ -247,12 +247,26 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
+# Lightning's RuntimeError when DDP's reducer finds parameters without a gradient in a step (every rank raises it)
+UNUSED_PARAMETERS = "parameters that were not used in producing the loss"
+
+
 @contextmanager
 def one_line_errors() -> Iterator[None]:
     """Turns a ``RUN_ERRORS`` exception into ``error: MESSAGE (raised at FILE:LINE ...)`` on rank 0 and exit code 1
     on every rank."""
     try:
         yield
+    except RuntimeError as error:  # raised alike on every rank: said once, by rank 0, exit code 1 on each
+        if debug_requested() or UNUSED_PARAMETERS not in str(error):
+            raise
+        if rank_zero_only.rank != 0:
+            sys.exit(1)
+        sys.exit(
+            "error: DDP found parameters that took no part in a step's loss (a GAN's other network, a branch not "
+            "taken, a layer not used): add --trainer.strategy ddp_find_unused_parameters_true, or make every "
+            f"parameter take part in each step's loss ({DEBUG} shows the traceback)"
+        )
     except RUN_ERRORS as error:
         if debug_requested():
             raise
