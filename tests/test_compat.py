@@ -699,3 +699,81 @@ def test_lightning_cli_parse_ckpt_path_is_what_reads_a_checkpoints_hyperparamete
     assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI), "LightningCLI no longer calls it"
     assert "hyper_parameters" in inspect.getsource(LightningCLI._parse_ckpt_path)
     assert CLI.__mro__.index(ParsesPlainLightningCheckpoints) < CLI.__mro__.index(LightningCLI)
+
+
+def _logged_means(other_rank: tuple[float, int] | None = None) -> tuple[dict, list, float]:
+    """Epoch values of a ``_ResultCollection`` of plain tensors (mean, sum, max, min; synced or not, ``rank_zero_only``)
+    and a logged ``MeanMetric``, as Lightning computes them at an epoch's end over 11 samples; the dtypes handed to
+    the sync function; the sum of the 11 values. ``other_rank``: ``(sum of values, samples)`` of a second rank whose
+    state a ``"mean"`` sync adds as gloo's ``_sync_ddp`` does (sum, then ``/ 2`` copied back into the tensor)."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+    from torchmetrics import MeanMetric
+
+    g = torch.Generator().manual_seed(0)
+    results, metric = _ResultCollection(training=False), MeanMetric()
+    handed: list[torch.dtype] = []
+
+    def reduce(tensor: torch.Tensor, reduce_op: str | None = None, group: object = None) -> torch.Tensor:
+        handed.append(tensor.dtype)
+        if other_rank is None or reduce_op != "mean":
+            return tensor
+        theirs = other_rank[len(handed) % 2 == 0]  # Lightning syncs a mean's value, then its count
+        return tensor.copy_((tensor + theirs) / 2)
+
+    total = 0.0
+    for batch_size in (4, 4, 3):
+        values = torch.rand(batch_size, generator=g) * 3
+        total += values.sum().item()
+        metric.update(values)
+        for name, kwargs in {
+            "mean": {}, "synced": {"sync_dist": True}, "rank_zero_only": {"sync_dist": True, "rank_zero_only": True},
+            "sum": {"reduce_fx": "sum", "sync_dist": True}, "max": {"reduce_fx": "max"}, "min": {"reduce_fx": "min"},
+        }.items():  # fmt: skip
+            results.log("validation_step", name, values.mean(), sync_dist_fn=reduce, batch_size=batch_size, **kwargs)
+        results.log("validation_step", "metric", metric, batch_size=batch_size)
+    return results.metrics(on_step=False)["callback"], handed, total
+
+
+def test_result_metric_compute_divides_by_a_synced_integer_count_and_the_patch_makes_it_a_float(monkeypatch):
+    """Lightning's ``_ResultMetric.compute`` hands ``value`` and the int64 ``cumulated_batch_size`` to the ``_Sync``
+    of ``_Metadata.sync`` (``should``, ``rank_zero_only``, ``group``; ``is_tensor``, ``is_mean_reduction``), and a
+    mean of integers over ranks truncates: what ``weigh_synced_means_by_samples`` casts. Two ranks of 11 and 10
+    samples stand in for a DDP run. A Lightning that no longer truncates fails here, and the patch can go."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    from project.engine import compat_logging
+    from project.engine.compat_logging import lightning_truncates_synced_counts, weigh_synced_means_by_samples
+
+    assert lightning_truncates_synced_counts(), (
+        "_ResultMetric.compute no longer syncs the integer cumulated_batch_size: drop weigh_synced_means_by_samples"
+    )
+    other = (10 * 2.0, 10)  # rank 1: 10 samples of 2.0
+    lightning, handed, total = _logged_means(other)
+    assert handed == [torch.float32, torch.int64, torch.float32]  # synced: value, count; sum: value
+    assert lightning["synced"].item() == pytest.approx((total + 20) / 20, rel=1e-6)  # 21 / 2 -> 10: / 20, not 21
+    monkeypatch.setattr(compat_logging, "_processes", lambda group: 2)  # the patch's test for a DDP run
+    own = _ResultMetric.compute
+    undo = weigh_synced_means_by_samples()
+    try:
+        assert weigh_synced_means_by_samples()() is None and _ResultMetric.compute is not own  # twice is once
+        patched, handed, _ = _logged_means(other)
+    finally:
+        undo()
+    assert _ResultMetric.compute is own, "not put back"
+    assert handed == [torch.float32, torch.float32, torch.float32]
+    assert patched["synced"].item() == pytest.approx((total + 20) / 21, rel=1e-6)
+    assert all(torch.equal(patched[k], lightning[k]) for k in lightning if k != "synced")  # Lightning's own path
+
+
+def test_synced_means_patch_leaves_single_process_values_bit_identical():
+    """On one process every logged value (mean, sum, max, min, synced or not, a ``Metric``) is bit-equal to what
+    Lightning's own ``_ResultMetric.compute`` gives."""
+    from project.engine.compat_logging import weigh_synced_means_by_samples
+
+    lightning, _, _ = _logged_means()
+    undo = weigh_synced_means_by_samples()
+    try:
+        patched, _, _ = _logged_means()
+    finally:
+        undo()
+    assert lightning.keys() == patched.keys() and all(torch.equal(lightning[k], patched[k]) for k in lightning)

@@ -10,6 +10,9 @@ tests/test_compat.py fails, naming the attribute, on a Lightning version where o
   ``_LoggerConnector.progress_bar_metrics``: the values stay tensors until a bar reads them, then come from host
   copies staged at its previous read (``read_bar_values_without_waiting``, installed for a run by
   ``project.engine.run_scope``).
+- ``_ResultMetric.compute``, ``cumulated_batch_size`` and ``_Sync``'s ``should`` / ``rank_zero_only`` / ``group``:
+  an epoch mean logged with ``sync_dist=True`` divides by every rank's samples, not a truncated mean of their counts
+  (``weigh_synced_means_by_samples``, installed for a run by ``project.engine.run_scope``; Lightning issue #21859).
 - A logger's ``log_metrics`` replaced on an instance (``replace_log_metrics``, ``project.engine.loggers.StepGate``);
   ``TensorBoardLogger._experiment``, whether its writer was ever opened (``experiment_opened``).
 
@@ -113,6 +116,80 @@ def _values_on(result: Any, device: torch.device) -> bool:
     if result._modules or result._parameters or result._buffers:  # children this does not know
         return False
     return result.is_tensor or result.value.device == device
+
+
+def weigh_synced_means_by_samples() -> Callable[[], None]:
+    """Makes the epoch mean of a plain tensor logged with ``sync_dist=True`` the mean over all ranks' samples;
+    returns what puts Lightning's own ``_ResultMetric.compute`` back.
+
+    Lightning issue #21859 (upstream fix proposed in PR #21839, the same cast): at an epoch's end
+    ``_ResultMetric.compute`` mean-reduces the sum of ``value * batch_size`` and the int64 ``cumulated_batch_size``
+    across ranks, and a mean of integers truncates (gloo: ``_sync_ddp`` copies ``sum / world`` back into the integer
+    tensor; NCCL's AVG divides integers). Ranks of 51 and 50 samples (the engine's exactly-once evaluation split)
+    then divide by 100, not 101. Here Lightning's own compute runs on the count as a float of the value's dtype, in
+    the collective it already runs there: nothing per step. Every other case takes Lightning's path untouched (one
+    process, no sync, ``rank_zero_only``, min/max/sum, a logged torchmetrics ``Metric``), so those values are
+    bit-identical. Nothing is installed where Lightning no longer truncates (a probe, once).
+    """
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    own = _ResultMetric.compute
+    if getattr(own, "weighs_synced_means", False) or not lightning_truncates_synced_counts():
+        return lambda: None
+
+    def compute(self: Any) -> Any:
+        if not (self.is_tensor and self.meta.is_mean_reduction and _reduced_across_ranks(self.meta.sync)):
+            return own(self)
+        counts = self.cumulated_batch_size
+        self.cumulated_batch_size = counts.to(self.value.dtype)  # Lightning syncs it in place: the state stays
+        try:
+            return own(self)
+        finally:
+            self.cumulated_batch_size = counts
+
+    compute.weighs_synced_means = True  # type: ignore[attr-defined]
+    compute.__wrapped__ = own  # type: ignore[attr-defined]
+    _ResultMetric.compute = compute  # results made from now on wrap it (torchmetrics wraps compute per instance)
+
+    def undo() -> None:
+        if _ResultMetric.__dict__.get("compute") is compute:  # else replaced since by someone else: theirs stays
+            _ResultMetric.compute = own
+
+    return undo
+
+
+def _reduced_across_ranks(sync: Any) -> bool:
+    """Whether a ``_Sync`` reduces across more than one process (Lightning's no-op otherwise)."""
+    return sync.should and not sync.rank_zero_only and _processes(sync.group) > 1
+
+
+def _processes(group: Any) -> int:
+    """The processes of a process group (``None``: the default one); 1 outside a distributed run."""
+    dist = torch.distributed
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+@functools.cache
+def lightning_truncates_synced_counts() -> bool:
+    """Whether ``_ResultMetric.compute`` still hands the integer ``cumulated_batch_size`` to the sync function."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+
+    handed: list[torch.dtype] = []
+
+    def reduce(value: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+        handed.append(value.dtype)
+        return value
+
+    try:
+        result = _ResultMetric(_Metadata(fx="probe", name="probe"), is_tensor=True)
+        result.meta.sync = _Sync(fn=reduce, _should=True)
+        result.update(torch.tensor(1.0), batch_size=3)
+        mean = getattr(_ResultMetric.compute, "__wrapped__", _ResultMetric.compute)(result)
+    except (TypeError, AttributeError) as error:
+        raise LightningChanged(f"_ResultMetric.compute no longer works as it did ({error})") from error
+    if mean.item() != 1.0 or len(handed) != 2:
+        raise LightningChanged(f"_ResultMetric.compute no longer syncs a value and a count (synced {handed})")
+    return not handed[1].is_floating_point
 
 
 def read_bar_values_without_waiting() -> Callable[[], None]:

@@ -8,6 +8,8 @@
 - ``self.log``'s skipped moves (``compat_logging.skip_moves_already_done``), Lightning's own ``_ResultMetric.to`` after;
 - progress-bar values read at a bar's refresh, from host copies (``compat_logging.read_bar_values_without_waiting``),
   Lightning's conversion at every batch end after;
+- ``sync_dist=True`` epoch means weighed by every rank's samples (``compat_logging.weigh_synced_means_by_samples``),
+  Lightning's own ``_ResultMetric.compute`` after;
 - the SIGINT, SIGTERM and SIGUSR1 handlers (``project.engine.signals``, Lightning's), the caller's again after.
 - ``PROJECT_RUN_DIR``, the run folder rank 0 claimed for the ranks it starts (``project.engine.runs``), as it was.
 
@@ -23,7 +25,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from project.engine.compat_logging import read_bar_values_without_waiting, skip_moves_already_done
+from project.engine.compat_logging import (
+    read_bar_values_without_waiting,
+    skip_moves_already_done,
+    weigh_synced_means_by_samples,
+)
 from project.engine.console import quiet_console
 from project.engine.runs import RUN_DIR_ENV
 
@@ -40,7 +46,7 @@ def for_the_run() -> Iterator[None]:
     # pass cost 0.22 s of start-up here, more came during training, and the one at exit 1.2 s. Objects frozen now
     # are left out of those passes (the few dozen that are already garbage are kept); later ones are collected.
     freeze = not _freezing and gc.get_freeze_count() == 0
-    undo_moves = undo_bar = lambda: None
+    undo_moves = undo_bar = undo_means = lambda: None
     run_dir = os.environ.get(RUN_DIR_ENV)
     try:
         with quiet_console():
@@ -49,12 +55,14 @@ def for_the_run() -> Iterator[None]:
                 gc.freeze()
             undo_moves = skip_moves_already_done()  # each self.log no longer walks its stored result (0.28 ms)
             undo_bar = read_bar_values_without_waiting()  # no device sync per prog_bar value and step
+            undo_means = weigh_synced_means_by_samples()  # sync_dist means over ranks of unequal shares: exact
             yield
     finally:
         if run_dir is None:
             os.environ.pop(RUN_DIR_ENV, None)
         else:
             os.environ[RUN_DIR_ENV] = run_dir
+        undo_means()
         undo_bar()
         undo_moves()
         if freeze:
