@@ -69,6 +69,7 @@ def process_state() -> dict:
         "gc": (gc.get_freeze_count(), gc.isenabled(), gc.get_threshold()),
         "torch CRC-32": torch.serialization.get_crc32_options(),
         "_ResultMetric.to": _ResultMetric.__dict__["to"],
+        "_ResultMetric.compute": _ResultMetric.__dict__["compute"],
         "engine's malloc thresholds in force": getattr(host_memory, "in_force", None),
     }
 

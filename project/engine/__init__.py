@@ -42,8 +42,9 @@ What it guarantees, and what user code does to get each guarantee:
   every forward (no forward on rank 0 alone).
 - **Preemption, Ctrl-C, NaN** (``signals``, ``guards``): SIGTERM/SIGUSR1/Ctrl-C save ``last.ckpt`` and exit non-zero
   on every rank; NaN/inf gradients stop before the weights change.
-- **Exact validation under DDP** (``user_loaders``, ``loaders``): each validation/test/predict sample on exactly
-  one rank; log torchmetrics ``Metric`` objects (``self.log(name, metric)``) for epoch values equal to the
+- **Exact validation under DDP** (``user_loaders``, ``loaders``, ``compat_logging``): each validation/test/predict
+  sample on exactly one rank; torchmetrics ``Metric`` objects (``self.log(name, metric)``) and tensors logged with
+  ``sync_dist=True`` (epoch means weighted by each rank's true sample count) give epoch values equal to the
   single-process ones.
 - **What a run is judged by, said once** (``runs``, ``monitor``): ``run.monitor``/``run.mode`` make the engine's
   best-k ``ModelCheckpoint`` (and ``EarlyStopping`` with ``run.patience``), a sweep's objective and the run summary's

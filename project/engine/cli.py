@@ -36,7 +36,7 @@ from project.engine.predictions import PredictionWriter
 from project.engine.profiler import NoProfiler
 from project.engine.rank_failures import RankFailures
 from project.engine.resume import ExactResume
-from project.engine.run_folder import FolderBefore, RunFolder, clean_up_failed_start
+from project.engine.run_folder import FolderBefore, RunFolder, clean_up_failed_start, remove_if_empty
 from project.engine.run_loggers import keep_csv_history, point_loggers_at
 from project.engine.run_scope import for_the_run, freeze_what_was_built
 from project.engine.runs import RunPlan, Runs, plan_run
@@ -59,6 +59,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         self.only = only
         try:
             super().__init__(*args, **kwargs)
+            remove_if_empty(self.run_plan)  # a run that wrote nothing leaves no folder
         except BaseException:
             # a failed start leaves no empty folder, and nothing in the run it continued
             clean_up_failed_start(self.run_plan, self.run_folder, getattr(self, "trainer", None), self.folder_before)
@@ -156,7 +157,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             *callbacks,
             failures,
             HangWatchdog(runs.hang_timeout, failures.report),
-            UserLoaders(seed_per_sample=runs.seed_per_sample),  # samplers put in
+            UserLoaders(seed_per_sample=runs.seed_per_sample),  # the engine's samplers in the user's loaders
         ]
         if config.get("profiler") is None:
             kwargs["profiler"] = NoProfiler()

@@ -144,6 +144,16 @@ class FolderBefore:
 OPENING_FILES = ("config.yaml", "hparams.yaml", "run.json", ".failures", "checkpoints")
 
 
+def remove_if_empty(plan: RunPlan | None) -> None:
+    """After a run that wrote nothing at all (``fast_dev_run``, which Lightning documents as writing nothing): the
+    folder claimed for it goes, with the folders above it that its planning made (rank 0)."""
+    if plan is None or plan.continues or rank_zero_only.rank != 0 or not plan.dir.is_dir() or any(plan.dir.iterdir()):
+        return
+    for folder in (plan.dir, plan.dir.parent, *reversed(plan.made)):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
 def clean_up_failed_start(
     plan: RunPlan | None, run_folder: RunFolder | None, trainer: L.Trainer | None, before: FolderBefore | None
 ) -> None:
