@@ -9,10 +9,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
+from project.engine.compat import logging_step
 from project.engine.compat_torch import skips_steps_on_device
 from project.engine.signals import last_checkpoint_path
 
-READ_EVERY = 50  # optimizer steps between two host reads of the flag, where the optimizer can skip steps itself
+READ_EVERY = 50  # optimizer steps between two host reads of the flag, where Lightning does not log per step
 
 
 class StopOnNonFinite(Callback):
@@ -29,20 +30,24 @@ class StopOnNonFinite(Callback):
     number, -1 while all is well). Reading it on the host makes the CPU wait for the GPU, so where the optimizer
     can skip a step on the device (fused ``Adam``/``AdamW``/``SGD``..., those with ``_step_supports_amp_scaling``:
     their kernels take GradScaler's ``found_inf`` and leave weights, moments and step counts as they were), the
-    flag is handed to it as ``found_inf`` and read every ``read_every`` steps from a host copy made, without
-    waiting, ``read_every`` steps before; every later step is a no-op, so the stop comes a few steps late with
-    the weights of the step before the bad one. Before any checkpoint is written and at the end of training it is
-    read at once (a save waits for the device anyway). Any other optimizer would change the weights at the bad
-    step: for it the flag is read at every step, before ``optimizer.step``.
+    flag is handed to it as ``found_inf`` and read from a host copy made, without waiting, at the read before; every
+    later step is a no-op, so the stop comes up to two reads late with the weights of the step before the bad one.
+    The reads fall on the batches where Lightning logs (every ``log_every_n_steps``): the host waits for the device
+    there anyway, as Lightning reads the logged values at the batch's end, so the guard adds no wait of its own.
+    Before any checkpoint is written and at the end of training it is read at once (a save waits for the device
+    anyway). Any other optimizer would change the weights at the bad step: for it the flag is read at every step,
+    before ``optimizer.step``.
 
     Args:
-        read_every: Optimizer steps between host reads where the optimizer skips bad steps on the device.
+        read_every: Optimizer steps between host reads (at steps ``0, read_every, ...``) where the optimizer skips bad
+            steps on the device; ``None``: at the batches where Lightning logs, or every 50 steps when it does not.
     """
 
-    def __init__(self, read_every: int = READ_EVERY) -> None:
-        if read_every < 1:
+    def __init__(self, read_every: int | None = None) -> None:
+        if read_every is not None and read_every < 1:
             raise ValueError(f"read_every ({read_every}) must be >= 1")
         self.read_every = read_every
+        self.read_at = -1  # the logging step of the last read: one read a batch, whatever its optimizer steps
         self.batch_idx = -1  # of the batch in progress
         self.first_bad: torch.Tensor | None = None  # () int64 on the gradients' device: first bad step, or -1
         self.staged: tuple[torch.Tensor, Any] | None = None  # host copy of first_bad, and its CUDA event
@@ -58,7 +63,7 @@ class StopOnNonFinite(Callback):
             return
         step = trainer.global_step
         self.where[step] = (trainer.current_epoch, self.batch_idx)
-        self.where.pop(step - 3 * self.read_every, None)
+        self.where.pop(step - 3 * self._interval(trainer), None)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return
@@ -79,9 +84,23 @@ class StopOnNonFinite(Callback):
         if found_inf is None or found_inf.device != total.device:
             optimizer.found_inf = found_inf = torch.zeros((), dtype=torch.float32, device=total.device)
         found_inf.copy_(self.first_bad >= 0)  # the optimizer's kernel skips the step while it is 1
-        if step % self.read_every == 0:
+        if self._reads_now(trainer, step):
             self._stop_if_bad(trainer, self._read_staged())
             self._stage()
+
+    def _interval(self, trainer: L.Trainer) -> int:
+        return self.read_every or trainer.log_every_n_steps or READ_EVERY
+
+    def _reads_now(self, trainer: L.Trainer, step: int) -> bool:
+        """Whether this step reads the staged flag: at steps ``0, read_every, ...``, or by default at the batches
+        where Lightning logs, each once (its logger connector's ``should_update_logs``, without a forced stop)."""
+        if self.read_every is not None or trainer.log_every_n_steps < 1:
+            return step % self._interval(trainer) == 0
+        logged = logging_step(trainer)
+        if logged == self.read_at or (logged + 1) % trainer.log_every_n_steps:
+            return False
+        self.read_at = logged
+        return True
 
     def _stage(self) -> None:
         """Starts a copy of the flag into host memory that nothing waits for (pinned memory on a GPU)."""
