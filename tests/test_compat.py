@@ -701,6 +701,63 @@ def test_lightning_cli_parse_ckpt_path_is_what_reads_a_checkpoints_hyperparamete
     assert CLI.__mro__.index(ParsesPlainLightningCheckpoints) < CLI.__mro__.index(LightningCLI)
 
 
+def test_training_epoch_loop_broadcast_sigterm_tensor_and_signal_connector_sigterm_notifier_fn_replaced_for_a_fit():
+    """``sigterm_without_a_broadcast_per_batch``: under DDP Lightning calls
+    ``_TrainingEpochLoop._broadcast_sigterm_tensor`` at the start of every training batch (a broadcast and a host
+    read), and registers the instance's ``_SignalConnector._sigterm_notifier_fn`` as its SIGTERM handler, which
+    passes the signal on to the ranks the launcher started. Replaced on the instances, a batch starts without a
+    collective and a SIGTERM calls the engine's function (passed on once, Lightning's flag left alone); undone,
+    Lightning's own are back."""
+    import inspect
+    import signal
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    from project.engine.compat import LightningChanged, sigterm_without_a_broadcast_per_batch
+
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance), (
+        "_TrainingEpochLoop.advance no longer broadcasts the SIGTERM flag per batch (Lightning issue #21487 fixed?)"
+    )
+    assert "self._sigterm_notifier_fn" in inspect.getsource(_SignalConnector.register_signal_handlers)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    loop, connector, launcher = trainer.fit_loop.epoch_loop, trainer._signal_connector, mock.Mock()
+    seen: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+
+    def sigterm_then_batch_start() -> tuple[int, bool]:
+        """Two SIGTERMs, then a batch's start: the broadcasts it makes, and whether it stops."""
+        connector.register_signal_handlers()
+        try:
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        finally:
+            connector.teardown()
+        with mock.patch("torch.distributed.broadcast") as broadcast:
+            try:
+                loop._broadcast_sigterm_tensor()
+            except SIGTERMException:
+                return broadcast.call_count, True
+        return broadcast.call_count, False
+
+    with mock.patch.object(type(trainer.strategy), "launcher", mock.PropertyMock(return_value=launcher)):
+        undo = sigterm_without_a_broadcast_per_batch(trainer, lambda: seen.append("sigterm"))
+        assert sigterm_then_batch_start() == (0, False)  # no broadcast at the batch's start, no stop of this rank alone
+        assert seen == ["sigterm", "sigterm"] and not connector.received_sigterm
+        launcher.kill.assert_called_once_with(signal.SIGTERM)  # passed on to the other ranks, once
+        undo()
+        assert "_broadcast_sigterm_tensor" not in vars(loop) and "_sigterm_notifier_fn" not in vars(connector)
+        connector.received_sigterm = False
+        assert sigterm_then_batch_start() == (1, True)  # Lightning's own: a broadcast per batch (src=0), its stop
+        assert connector.received_sigterm and seen == ["sigterm", "sigterm"]  # Lightning's flag, set by its handler
+    assert signal.getsignal(signal.SIGTERM) is before
+    gone = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()), _signal_connector=connector)
+    with pytest.raises(LightningChanged, match=r"_broadcast_sigterm_tensor is gone.*Lightning \d"):
+        sigterm_without_a_broadcast_per_batch(gone, lambda: None)
+
+
 def _logged_means(other_rank: tuple[float, int] | None = None) -> tuple[dict, list, float]:
     """Epoch values of a ``_ResultCollection`` of plain tensors (mean, sum, max, min; synced or not, ``rank_zero_only``)
     and a logged ``MeanMetric``, as Lightning computes them at an epoch's end over 11 samples; the dtypes handed to

@@ -5,6 +5,9 @@ attribute, on a Lightning version where one changed.
 
 - ``Trainer._signal_connector.received_sigterm``: set at a batch end, it makes every rank stop there through
   Lightning's own SIGTERM path (``project.engine.signals``: Ctrl-C agreed by all ranks).
+- ``_TrainingEpochLoop._broadcast_sigterm_tensor`` and ``_SignalConnector._sigterm_notifier_fn``, replaced on the
+  fit's own instances under DDP: the ranks agree on a SIGTERM without a collective per batch
+  (``sigterm_without_a_broadcast_per_batch``, ``project.engine.signals``).
 - ``LightningCLI._get``: reads the trainer section of the parsed config (``project.engine.cli``).
 - ``LightningCLI._parse_ckpt_path``: overridden (``ParsesPlainLightningCheckpoints``) so that a checkpoint plain
   Lightning wrote builds the configured class from its hyperparameters (``project.engine.cli``).
@@ -66,6 +69,45 @@ def request_stop_at_batch_end(trainer: L.Trainer, stop: bool = True) -> None:
     """Every rank raises Lightning's ``SIGTERMException`` at the end of the current training batch (``stop=False``
     withdraws the request; validation also raises it after each of its batches but the last)."""
     trainer._signal_connector.received_sigterm = stop
+
+
+def sigterm_without_a_broadcast_per_batch(trainer: L.Trainer, on_sigterm: Callable[[], None]) -> Callable[[], None]:
+    """Under DDP, Lightning (since 2.5.2) starts every training batch with a broadcast of rank 0's SIGTERM flag and
+    a host read of it (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a blocking collective per step. Its SIGTERM
+    handler (``_SignalConnector._sigterm_notifier_fn``) joins that broadcast from inside the handler, so a SIGTERM
+    to a rank other than 0 sets its own flag and leaves the ranks' broadcasts out of step. For this trainer's fit:
+    the per-batch broadcast does nothing, and the handler, after passing the signal on to the ranks this process
+    launched (once, as Lightning does), calls ``on_sigterm()`` instead of broadcasting and setting
+    ``received_sigterm``: the caller agrees with the other ranks and stops them all at one batch end
+    (``request_stop_at_batch_end``). Call it before the trainer registers its signal handlers (a callback's
+    ``setup``). Returns what undoes it (the instances' own methods again; the classes are untouched)."""
+    # The fix to propose upstream, on Lightning issue #21487 (this per-step broadcast and host read; its open PR
+    # #21640 broadcasts every N steps instead, still a blocking collective and read each time): the loop agrees
+    # without waiting, an all-reduce (any rank's flag, not rank 0's) started with async_op=True at one batch and read
+    # some batches later, every rank deciding at the same batch; the handler only sets the local flag, never a
+    # collective inside a signal handler. https://github.com/Lightning-AI/pytorch-lightning/issues/21487
+    loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
+    for owner, name in ((loop, "_broadcast_sigterm_tensor"), (connector, "_sigterm_notifier_fn")):
+        if not callable(getattr(type(owner), name, None)):
+            raise LightningChanged(f"{type(owner).__name__}.{name} is gone")
+    forwarded = False
+
+    def notified(signum: int, frame: Any) -> None:
+        nonlocal forwarded
+        launcher = trainer.strategy.launcher
+        if not forwarded and launcher is not None:
+            forwarded = True
+            launcher.kill(signum)
+        on_sigterm()
+
+    loop._broadcast_sigterm_tensor = lambda: None
+    connector._sigterm_notifier_fn = notified
+
+    def undo() -> None:
+        vars(loop).pop("_broadcast_sigterm_tensor", None)
+        vars(connector).pop("_sigterm_notifier_fn", None)
+
+    return undo
 
 
 def cli_section(cli: Any, config: Any, key: str) -> Any:
