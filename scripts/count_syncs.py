@@ -1,7 +1,8 @@
 """Host-device syncs per optimizer step of the three sides of scripts/benchmark.py, split by where they come from.
 
-    python scripts/count_syncs.py                     # 4 epochs of the default config, on CPU
+    python scripts/count_syncs.py                     # 4 epochs of the default config, on CPU: 1 process, 2 ranks
     python scripts/count_syncs.py --epochs 10 --json out.json [--template-arg=--trainer.log_every_n_steps=1]
+    python scripts/count_syncs.py --ranks 2           # DDP only: 2 gloo ranks on CPU, each counted
 
 On a GPU every read of a device value on the host (``.item()``, ``bool(t)``, ``float(t)``, a blocking copy to the
 host, an op whose output shape depends on the data) makes the CPU wait for the GPU to finish all it was given.
@@ -19,9 +20,17 @@ validation), one burst an epoch whatever the step count, are one figure apart. R
 on a GPU as well are not syncs and are shown apart, not counted: the optimizer's ``step`` counters
 (``torch/optim``, AdamW without ``capturable``/``fused``) and the samplers' random draws (``torch/utils/data``).
 
+Under DDP the collectives are counted too (``c10d`` ops, seen by the same mode): a blocking one (``torch.distributed``'s
+function called without ``async_op``) makes the host wait for every rank, on a GPU after it has drained its queue, so
+it counts as a wait of its source; those nothing waits for (``async_op=True``, DDP's gradient buckets) are shown
+apart. "Steps with a wait" counts the optimizer steps with at least one read or blocking collective: a GPU's queue
+drains once at each, however many reads it holds.
+
 Each side runs in a fresh interpreter (``--worker``), as in scripts/benchmark.py: (a) the hand-written loop, (b)
-plain Lightning (scripts/benchmark_lightning.py), (c) ``python -m project fit`` with the default config. The last
-line of the output is the table as JSON.
+plain Lightning (scripts/benchmark_lightning.py), (c) ``python -m project fit`` with the default config. With
+``--ranks 2`` each side runs as 2 gloo ranks on CPU started by ``torchrun``, and each rank is counted: (a) with its
+net in ``DistributedDataParallel`` and its sampler split over the ranks, (b) with ``strategy="ddp"`` on the same
+split, (c) with ``--trainer.strategy ddp --trainer.devices 2``. The last line of the output is the table as JSON.
 """
 
 import argparse
@@ -36,9 +45,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from count_syncs_counter import HOST_ONLY, REPO, SyncCounter, write_counts  # scripts/count_syncs_counter.py
+from count_syncs_counter import HOST_ONLY, REPO, SyncCounter, rank_file, write_counts  # scripts/count_syncs_counter.py
 
 SIDES = ("hand", "lightning", "template")
+DDP_TEMPLATE = ["--trainer.accelerator", "cpu", "--trainer.strategy", "ddp"]
+
+
+def split_over_ranks(world: int, rank: int) -> Any:
+    """The benchmark's ``DistributedSampler`` (one replica in its code) over ``world`` ranks: each rank its share."""
+    from torch.utils import data
+
+    class Split(data.DistributedSampler):
+        def __init__(self, dataset: Any, **kwargs: Any) -> None:
+            super().__init__(dataset, **{**kwargs, "num_replicas": world, "rank": rank})
+
+    return unittest.mock.patch.object(data, "DistributedSampler", Split)
 
 
 def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str]) -> None:
@@ -46,6 +67,7 @@ def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str])
     if spec.get("fused"):  # every side's AdamW fused, as `torch.optim.AdamW(..., fused=True)` in its code would be
         adamw = torch.optim.AdamW
         torch.optim.AdamW = lambda *args, **kwargs: adamw(*args, **{**kwargs, "fused": True})  # type: ignore[misc]
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))  # set by torchrun
     if side == "hand":
         import benchmark_hand
 
@@ -58,22 +80,41 @@ def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str])
                 super().__init__(*args, **kwargs)
                 built.append(self)
 
+        def net(*args: Any, **kwargs: Any) -> torch.nn.Module:
+            mlp = RecordedMLP(*args, **kwargs)
+            return mlp if world == 1 else torch.nn.parallel.DistributedDataParallel(mlp)
+
         result = out.with_name("hand_result.json")
         lines, first = inspect.getsourcelines(benchmark_hand.hand_written)
         loop = next(first + i for i, line in enumerate(lines) if "enumerate(tqdm(train_loader" in line)
         end = next(first + i for i, line in enumerate(lines) if '"train/loss_epoch"' in line)
 
-        def phase() -> str:  # the batch loop's lines are the steps; after it, the epoch's end
-            frame = sys._getframe(1)
+        def hand_frame() -> Any:
+            frame = sys._getframe(2)
             while frame is not None and frame.f_code is not benchmark_hand.hand_written.__code__:
                 frame = frame.f_back
-            return "step" if frame is not None and loop <= frame.f_lineno < end else "epoch end"
+            return frame
 
-        with unittest.mock.patch.object(nets, "MLP", RecordedMLP):
-            mode = SyncCounter(lambda: bool(built) and built[0].training, phase)
+        def phase() -> str:  # the batch loop's lines are the steps; after it, the epoch's end; before, the set-up
+            frame = hand_frame()
+            if frame is None or frame.f_lineno < loop:
+                return "set-up"
+            return "step" if frame.f_lineno < end else "epoch end"
+
+        def counting() -> bool:  # DDP's start (a broadcast of the weights) is set-up, once
+            return bool(built) and built[0].training and phase() != "set-up"
+
+        if world > 1:
+            torch.distributed.init_process_group("gloo")
+            out, result = rank_file(out, rank), rank_file(result, rank)
+            os.chdir(Path.cwd() / f"rank{rank}")  # its own runs/ and checkpoints/
+        with unittest.mock.patch.object(nets, "MLP", net), split_over_ranks(world, rank):
+            mode = SyncCounter(counting, phase, lambda: getattr(hand_frame(), "f_locals", {}).get("step", -1))
             with mode:
                 benchmark_hand.hand_written(spec, result)
         write_counts(out, mode, json.loads(result.read_text())["steps"])
+        if world > 1:
+            torch.distributed.destroy_process_group()
         return
     counter = {"class_path": "count_syncs_callback.CountSyncs", "init_args": {"out": str(out)}}
     if side == "lightning":
@@ -81,36 +122,47 @@ def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str])
         import count_syncs_callback
 
         trainer_class = benchmark_lightning.L.Trainer
+        ddp = {"devices": world, "strategy": "ddp", "accelerator": "cpu", "use_distributed_sampler": False}
 
         def with_counter(*args: Any, callbacks: list, **kwargs: Any) -> Any:
+            kwargs |= ddp if world > 1 else {}
             return trainer_class(*args, callbacks=[*callbacks, count_syncs_callback.CountSyncs(str(out))], **kwargs)
 
-        with unittest.mock.patch.object(benchmark_lightning.L, "Trainer", with_counter):
-            benchmark_lightning.main(out.with_name("timer.json"), spec)
+        with unittest.mock.patch.object(benchmark_lightning.L, "Trainer", with_counter), split_over_ranks(world, rank):
+            benchmark_lightning.main(rank_file(out.with_name("timer.json"), rank), spec)
         return
     from project.engine.cli import cli_main
 
     args = ["fit", "--trainer.max_epochs", str(spec["epochs"]), "--run.root", str(out.parent / "runs")]
+    args += [*DDP_TEMPLATE, "--trainer.devices", str(world)] if world > 1 else []
     cli_main([*args, *template_args, f"--trainer.callbacks+={json.dumps(counter)}"])
 
 
-def run_side(side: str, spec: dict[str, Any], workdir: Path, template_args: list[str]) -> dict[str, Any]:
+def run_side(side: str, spec: dict[str, Any], workdir: Path, template_args: list[str], ranks: int) -> dict[str, Any]:
+    """One side's counts: ``{"rank0": ..., "rank1": ...}`` with ``ranks`` 2, else the one process's."""
     workdir.mkdir(parents=True)
+    for rank in range(ranks if ranks > 1 else 0):
+        (workdir / f"rank{rank}").mkdir()
     out = workdir / "syncs.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, str(out), json.dumps(spec)]
+    if ranks > 1:  # torchrun starts the ranks; each is a worker, told its rank by the environment
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     cmd += [f"--template-arg={a}" for a in template_args]
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO), str(REPO / "scripts")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore"}
     with open(workdir / "output.log", "w") as log:
         proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0 or not out.is_file():
+    outs = [rank_file(out, r) for r in range(ranks)] if ranks > 1 else [out]
+    if proc.returncode != 0 or not all(o.is_file() for o in outs):
         tail = (workdir / "output.log").read_text()[-5000:]
         raise SystemExit(f"the {side} run exited {proc.returncode}: {' '.join(cmd)}\n{tail}")
-    return json.loads(out.read_text())
+    if ranks == 1:
+        return json.loads(out.read_text())
+    return {f"rank{r}": json.loads(o.read_text()) for r, o in enumerate(outs)}
 
 
 def table(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per optimizer step, by source; the host-only reads apart."""
+    """Per optimizer step, by source; the host-only reads apart; the collectives; the steps with a wait."""
     rows: dict[str, Any] = {}
     for side, r in results.items():
         steps = r["steps"]
@@ -129,34 +181,59 @@ def table(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             else None,
             "by_source": syncs,
             "host_only": host,
+            "collectives": {s: n / steps for s, n in r["collectives"].items()},  # blocking ones
+            "async_collectives_per_step": sum(r["async_collectives"].values()) / steps,
+            "waits_per_step": len(r["drain_steps"]) / steps,  # steps with a read or a blocking collective
+            "wait_steps": r["drain_steps"],
+            # the NaN guard's read of its staged flag (a wait for that copy's event on a GPU) where the host does
+            # not wait anyway
+            "guard_reads_alone_per_step": len(set(r["host_steps"].get(GUARD, [])) - set(r["drain_steps"])) / steps,
         }
     return rows
 
 
-def print_table(rows: dict[str, Any], spec: dict[str, Any]) -> None:
-    sources = sorted({s for r in rows.values() for s in r["by_source"]})
-    print(
-        f"\nHost-device syncs per optimizer step, training only (MLP {spec['hidden_sizes']}, {spec['epochs']} epochs)"
+LABELS = {"hand": "(a) hand", "lightning": "(b) lightning", "template": "(c) template"}
+GUARD = "project/engine/guards.py (_read_staged)"
+
+
+def label(column: str) -> str:
+    """``(a) hand``, or ``(a) hand r1`` for rank 1 of a DDP run (column ``hand r1``)."""
+    side, _, rank = column.partition(" ")
+    return f"{LABELS[side]} {rank}".strip()
+
+
+def print_table(rows: dict[str, Any], spec: dict[str, Any], shape: str) -> None:
+    hidden, epochs = spec["hidden_sizes"], spec["epochs"]
+    print(f"\nHost-device syncs per optimizer step, training only (MLP {hidden}, {epochs} epochs), {shape}")
+    width = max(15, *(len(label(column)) + 2 for column in rows))
+    print(f"{'':<42}" + "".join(f"{label(column):>{width}}" for column in rows))
+
+    def line(name: str, values: Any) -> None:
+        print(f"{name:<42}" + "".join(f"{v:>{width}}" for v in values))
+
+    for source in sorted({s for r in rows.values() for s in r["by_source"]}):
+        line("  " + source, (f"{r['by_source'].get(source, 0):.3f}" for r in rows.values()))
+    line("total syncs / step", (f"{r['syncs_per_step']:.3f}" for r in rows.values()))
+    line(
+        "optimizer steps per sync",
+        (f"{r['steps_per_sync']:.1f}" if r["steps_per_sync"] else "never" for r in rows.values()),
     )
-    labels = {"hand": "(a) hand", "lightning": "(b) lightning", "template": "(c) template"}
-    print(f"{'':<32}" + "".join(f"{labels[s]:>15}" for s in rows))
-    for source in sources:
-        print(f"{'  ' + source:<32}" + "".join(f"{r['by_source'].get(source, 0):>15.3f}" for r in rows.values()))
-    print(f"{'total syncs / step':<32}" + "".join(f"{r['syncs_per_step']:>15.3f}" for r in rows.values()))
-    every = [f"{r['steps_per_sync']:.1f}" if r["steps_per_sync"] else "never" for r in rows.values()]
-    print(f"{'optimizer steps per sync':<32}" + "".join(f"{e:>15}" for e in every))
-    cuda = [f"{r['cuda_syncs_per_step']:.3f}" if r["cuda_syncs_per_step"] is not None else "n/a" for r in rows.values()]
-    print(f"{'CUDA syncs / step (debug mode)':<32}" + "".join(f"{c:>15}" for c in cuda))
-    print(f"{'stalls / step (1st of a burst)':<32}" + "".join(f"{r['stalls_per_step']:>15.3f}" for r in rows.values()))
-    ends = "".join(f"{r['epoch_end_per_step']:>15.3f}" for r in rows.values())
-    print(f"{'epoch ends, per step (apart)':<32}" + ends)
-    print(f"{'optimizer steps counted':<32}" + "".join(f"{r['steps']:>15}" for r in rows.values()))
-    host = sorted({s for r in rows.values() for s in r["host_only"]})
-    for source in host:
-        print(
-            f"{'  not a sync: ' + source[6:]:<32}"
-            + "".join(f"{r['host_only'].get(source, 0):>15.3f}" for r in rows.values())
-        )
+    collectives = sorted({s for r in rows.values() for s in r["collectives"]})
+    for source in collectives:
+        line("  collective: " + source, (f"{r['collectives'].get(source, 0):.3f}" for r in rows.values()))
+    if collectives:
+        line("blocking collectives / step", (f"{sum(r['collectives'].values()):.3f}" for r in rows.values()))
+    line("steps with a wait / step", (f"{r['waits_per_step']:.3f}" for r in rows.values()))
+    line("  NaN guard's reads off them / step", (f"{r['guard_reads_alone_per_step']:.3f}" for r in rows.values()))
+    cuda = (f"{r['cuda_syncs_per_step']:.3f}" if r["cuda_syncs_per_step"] is not None else "n/a" for r in rows.values())
+    line("CUDA syncs / step (debug mode)", cuda)
+    line("stalls / step (1st of a burst)", (f"{r['stalls_per_step']:.3f}" for r in rows.values()))
+    line("epoch ends, per step (apart)", (f"{r['epoch_end_per_step']:.3f}" for r in rows.values()))
+    line("optimizer steps counted", (r["steps"] for r in rows.values()))
+    for source in sorted({s for r in rows.values() for s in r["host_only"]}):
+        line("  not a sync: " + source[6:], (f"{r['host_only'].get(source, 0):.3f}" for r in rows.values()))
+    if any(r["async_collectives_per_step"] for r in rows.values()):
+        line("  not waited: async collectives", (f"{r['async_collectives_per_step']:.3f}" for r in rows.values()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=4, help="epochs of each run (default: 4)")
     parser.add_argument("--hidden", type=int, help="width of every hidden layer (default: the config's)")
     parser.add_argument("--sides", default=",".join(SIDES), help="which sides, comma-separated (default: all)")
+    parser.add_argument(
+        "--ranks", default="1,2", help="1 (one process), 2 (2 gloo ranks on CPU, each counted) or both (default)"
+    )
     parser.add_argument(
         "--fused",
         action="store_true",
@@ -190,18 +270,23 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = benchmark.make_spec(argparse.Namespace(epochs=args.epochs, hidden=args.hidden, batch_size=None))
     spec["fused"] = args.fused
-    results = {}
+    shapes: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="count-syncs-") as tmp:
-        for side in args.sides.split(","):
-            results[side] = run_side(side, spec, Path(tmp) / side, args.template_arg)
-    rows = table(results)
-    print_table(rows, spec)
-    if args.where:
-        for side, row in rows.items():
-            print(f"\n{side}: per optimizer step, by the line that read the value")
-            for where, n in row["where"].items():
-                print(f"  {n:8.3f}  {where}")
-    summary = {"spec": spec, "template_args": args.template_arg, "sides": rows}
+        for ranks in map(int, args.ranks.split(",")):
+            results = {}
+            for side in args.sides.split(","):
+                counted = run_side(side, spec, Path(tmp) / f"{ranks}" / side, args.template_arg, ranks)
+                results |= {f"{side} r{k[4:]}": v for k, v in counted.items()} if ranks > 1 else {side: counted}
+            shapes[str(ranks)] = table(results)
+    for ranks, rows in shapes.items():
+        print_table(rows, spec, "1 process" if ranks == "1" else f"{ranks} DDP ranks (gloo), each")
+        if args.where:
+            for column, row in rows.items():
+                print(f"\n{label(column)}: per optimizer step, by the line that read the value or waited")
+                for where, n in row["where"].items():
+                    print(f"  {n:8.3f}  {where}")
+    # "sides": one process, as before; "ranks": each shape run, {"1": {side: row}, "2": {"side rR": row}}
+    summary = {"spec": spec, "template_args": args.template_arg, "sides": shapes.get("1", {}), "ranks": shapes}
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))

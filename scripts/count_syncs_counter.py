@@ -1,5 +1,8 @@
 """The counter of scripts/count_syncs.py: a ``TorchDispatchMode`` that sees each op before it runs and counts those
-that read a device value on the host, by the source the Python stack at the op names.
+that read a device value on the host, by the source the Python stack at the op names; and, under DDP, the collectives
+(``c10d`` ops, which go through the dispatcher too): blocking ones (``torch.distributed``'s function called without
+``async_op``), where the host waits for every rank, apart from those nothing waits for (``async_op=True``, and those
+DDP starts from C++ for its gradient buckets, which a GPU waits for on its stream).
 """
 
 import json
@@ -35,9 +38,14 @@ HOST_CODE = (
     ("/torch/utils/data/", "host: sampler"),
     # copies the engine staged into host memory steps before (pinned, non-blocking on a GPU): read without waiting
     ("/project/engine/guards.py:_read_staged", "host: staged copies"),
+    ("/project/engine/signals.py:sums", "host: staged copies"),  # the ranks' agreement on a stop, read steps later
     ("/project/engine/compat_logging.py:_staged_bar_values", "host: staged copies"),
 )
 SOURCES = (
+    # under DDP: Lightning's per-step agreement on a SIGTERM (Lightning issue #21487), a ModelCheckpoint's check of
+    # its train_time_interval on rank 0's clock (the engine's timed last.ckpt is one)
+    ("/lightning/pytorch/loops/training_epoch_loop.py:_broadcast_sigterm_tensor", "lightning: SIGTERM broadcast"),
+    ("/lightning/pytorch/callbacks/model_checkpoint.py:on_train_batch_end", "lightning: checkpoint timer"),
     ("/torchmetrics/", "torchmetrics"),
     ("/lightning/pytorch/callbacks/progress/", "lightning: progress bar"),
     ("/lightning/pytorch/trainer/connectors/logger_connector/", "lightning: logging"),
@@ -55,16 +63,24 @@ CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 class SyncCounter(TorchDispatchMode):
-    """Counts the ops that read a device value on the host, by source, on the thread that installed it. On a GPU it
+    """Counts the ops that read a device value on the host, by source, on the thread that installed it, and the
+    collectives, blocking or not; ``step()`` names the optimizer step in progress, so that the steps at which the host
+    waits at least once (a read or a blocking collective: each drains a GPU's queue) are counted too. On a GPU it
     also counts what CUDA itself reports as a synchronization (``torch.cuda.set_sync_debug_mode("warn")``, the
     driver's view: a second opinion on the op list above), in ``cuda_syncs``; ``None`` without CUDA."""
 
-    def __init__(self, counting: Callable[[], bool], phase: Callable[[], str]) -> None:
+    def __init__(
+        self, counting: Callable[[], bool], phase: Callable[[], str], step: Callable[[], int] = lambda: -1
+    ) -> None:
         super().__init__()
-        self.counting, self.phase, self.thread = counting, phase, threading.get_ident()
+        self.counting, self.phase, self.step, self.thread = counting, phase, step, threading.get_ident()
         self.epoch_end = 0  # syncs outside the steps: epoch-end metrics, checkpoint decisions after validation
         self.by_source: Counter[str] = Counter()
         self.where: Counter[str] = Counter()  # source: the innermost frame outside torch, file:line
+        self.collectives: Counter[str] = Counter()  # blocking, by source
+        self.async_collectives: Counter[str] = Counter()  # nothing waits for them on the host, by source
+        self.drain_steps: set[int] = set()  # steps with at least one host read of a device value or blocking collective
+        self.host_steps: dict[str, set[int]] = {}  # "path (function)" of a host-only read: the steps it read at
         self.stalls = 0  # syncs with device work queued since the previous one: the ones a GPU makes the host wait at
         self.work_since_sync = True
         self.cuda_syncs: int | None = None
@@ -98,6 +114,20 @@ class SyncCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if threading.get_ident() != self.thread or not self.counting():
             return out
+        if func.namespace == "c10d":
+            blocking = _blocking_collective()
+            source, owner = _source()
+            if self.phase() == "epoch end":
+                self.epoch_end += blocking
+            elif blocking:
+                self.collectives[source] += 1
+                self.where[f"{source}: {owner} ({func.__name__.split('.')[0]})"] += 1
+                self.drain_steps.add(self.step())
+                self.stalls += self.work_since_sync
+                self.work_since_sync = False
+            else:
+                self.async_collectives[source] += 1
+            return out
         if func in HOST_VALUE_OPS or (func in COPY_OPS and _device_to_host(func, args, kwargs, out)):
             source, owner = _source()
             if self.phase() == "epoch end":
@@ -106,8 +136,11 @@ class SyncCounter(TorchDispatchMode):
             self.by_source[source] += 1
             self.where[f"{source}: {owner}"] += 1
             if source not in HOST_ONLY:
+                self.drain_steps.add(self.step())
                 self.stalls += self.work_since_sync
                 self.work_since_sync = False
+            else:  # path (function), line left out: the steps at which each reads
+                self.host_steps.setdefault(owner.split(":")[0] + owner[owner.rfind(" ") :], set()).add(self.step())
         else:
             self.work_since_sync = True
         return out
@@ -118,6 +151,17 @@ def _device_to_host(func, args, kwargs, out) -> bool:  # type: ignore[no-untyped
     dst = args[0] if func is aten.copy_.default else out
     blocking = not kwargs.get("non_blocking", args[2] if func is aten.copy_.default and len(args) > 2 else False)
     return src.device.type != "cpu" and dst.device.type == "cpu" and blocking
+
+
+def _blocking_collective() -> bool:
+    """Whether the collective being dispatched was asked for without ``async_op`` (``torch.distributed``'s functions
+    then wait for it before they return); one started from C++ (DDP's buckets) has no such frame: not blocking."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith("distributed_c10d.py") and "async_op" in frame.f_locals:
+            return not frame.f_locals["async_op"]
+        frame = frame.f_back
+    return False
 
 
 def _source() -> tuple[str, str]:
@@ -150,6 +194,15 @@ def write_counts(out: Path, counter: SyncCounter, steps: int) -> None:
                 "epoch_end": counter.epoch_end,
                 "cuda_syncs": counter.cuda_syncs,
                 "where": dict(counter.where),
+                "collectives": dict(counter.collectives),
+                "async_collectives": dict(counter.async_collectives),
+                "drain_steps": sorted(counter.drain_steps),
+                "host_steps": {owner: sorted(steps) for owner, steps in counter.host_steps.items()},
             }
         )
     )
+
+
+def rank_file(out: Path, rank: int) -> Path:
+    """Where rank ``rank`` of a multi-process run writes what ``out`` holds in one process."""
+    return out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
