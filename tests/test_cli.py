@@ -98,7 +98,10 @@ def test_resume_last_without_any_run_starts_fresh_with_a_notice(workdir):
 
 @pytest.mark.parametrize(
     ("flag", "message"),
-    [(["--model.lr", "-0.1"], "lr (-0.1) must be a finite number > 0"), (["--data.batch_size", "0"], "batch_size (0) must be >= 1")],
+    [
+        (["--model.lr", "-0.1"], "lr (-0.1) must be a finite number > 0"),
+        (["--data.batch_size", "0"], "batch_size (0) must be >= 1"),
+    ],
 )
 def test_out_of_range_values_fail_before_training_with_one_clear_line(workdir, flag, message):
     proc = cli("fit", *QUIET, *flag, cwd=workdir, check=False)
