@@ -187,6 +187,10 @@ BAD_INPUT = [  # files written into the working folder, the arguments after `fit
 ]
 
 
+# the first four in make test, the rest in CI and make test-all (a CLI start each)
+BAD_INPUT = [p if i < 4 else pytest.param(*p.values, marks=pytest.mark.long, id=p.id) for i, p in enumerate(BAD_INPUT)]
+
+
 @pytest.mark.parametrize(("files", "args", "words"), BAD_INPUT)
 def test_bad_values_and_config_files_are_one_line_naming_where_and_make_no_run_folder(tmp_path, files, args, words):
     for name, content in files.items():

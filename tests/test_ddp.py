@@ -27,6 +27,7 @@ def test_two_rank_fit_writes_exactly_one_run(workdir):
     assert len(logged["train/loss"]) == 2 * per_rank_batches
 
 
+@pytest.mark.long  # CI and make test-all
 def test_parameters_unused_in_a_steps_loss_under_ddp_are_one_line_naming_the_strategy_that_allows_them(tmp_path):
     """A GAN's two optimizers (each step's loss leaves the other network's parameters without a gradient), under DDP
     without find_unused_parameters: Lightning's RuntimeError on both ranks, a traceback wall of ~185 lines before."""

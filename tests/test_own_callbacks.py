@@ -59,6 +59,7 @@ def test_a_callbacks_list_of_ones_own_keeps_last_ckpt_sigterm_saves_and_an_exact
     assert all(torch.equal(got["state_dict"][k], v) for k, v in want["state_dict"].items()), diffs
 
 
+@pytest.mark.long  # CI and make test-all
 def test_what_a_config_switches_off_is_named_in_the_start_line(tmp_path):
     plugins = "  plugins:\n    - class_path: lightning.pytorch.plugins.io.TorchCheckpointIO\n"
     config = own_config(tmp_path, "own.yaml")
@@ -73,6 +74,7 @@ def test_what_a_config_switches_off_is_named_in_the_start_line(tmp_path):
     assert (run / "checkpoints" / "last.ckpt").is_file() and not list((run / "checkpoints").glob("epoch0*"))
 
 
+@pytest.mark.long  # CI and make test-all
 def test_ones_own_model_checkpoint_monitoring_what_run_monitor_names_is_the_best_k(tmp_path):
     """The README's advice for a module logging its own metric: ``--run.monitor KEY --run.mode min`` beside the
     user's ``ModelCheckpoint(monitor=KEY, mode="min")``; Lightning refused the two (one state key)."""
@@ -113,6 +115,7 @@ def test_ones_own_monitor_judges_the_run_not_the_base_configs_val_acc(tmp_path):
     assert f"step={best_step + 1}.ckpt (best val_mse {mse[best_step]:.4f}, mode min" in proc.stdout + proc.stderr
 
 
+@pytest.mark.long  # CI and make test-all
 def test_two_monitors_that_disagree_are_named_and_run_monitor_judges(tmp_path):
     config = tmp_path / "own.yaml"
     config.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
@@ -125,6 +128,7 @@ def test_two_monitors_that_disagree_are_named_and_run_monitor_judges(tmp_path):
     assert "Run summary: best val_mse" in out
 
 
+@pytest.mark.long  # CI and make test-all
 def test_a_module_without_validation_is_judged_by_a_training_metric_or_stopped_in_one_line(tmp_path):
     no_val = [*REGRESS, "--model", "tests.fixtures.no_validation.NoValidation"]
     proc = cli("fit", *no_val, cwd=tmp_path, check=False)  # the base config's val/acc can never be logged

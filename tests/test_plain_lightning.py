@@ -51,6 +51,7 @@ def test_validate_and_resume_a_plain_lightning_checkpoint(plain, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI and make test-all
 def test_export_a_plain_lightning_checkpoint_with_a_config_naming_its_class(plain, tmp_path):
     import subprocess
     import sys

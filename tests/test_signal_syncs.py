@@ -165,7 +165,7 @@ def uninterrupted(tmp_path_factory) -> Path:
         # the agreement started after batch 20 is read at epoch 0's end (25), acted on after batch 26
         pytest.param(signal.SIGTERM, 13, 26, id="sigterm-read-at-the-epoch-end"),
         # Ctrl-C (kill -INT) on rank 1: the agreement started after batch 10 is read after batch 20, mid-epoch
-        pytest.param(signal.SIGINT, 3, 20, id="ctrl-c-mid-epoch"),
+        pytest.param(signal.SIGINT, 3, 20, id="ctrl-c-mid-epoch", marks=pytest.mark.long),
         # read after batch 50, epoch 1's last: its validation runs first
         pytest.param(signal.SIGTERM, 33, 50, id="sigterm-at-an-epochs-last-batch", marks=pytest.mark.long),
     ],

@@ -201,6 +201,7 @@ def test_a_sweep_optimises_a_training_metric_of_a_module_without_validation(tmp_
         assert trial.value == pytest.approx(min(trial.intermediate_values.values())) and logged["global_step"] == 3
 
 
+@pytest.mark.long  # CI and make test-all
 def test_a_sweep_whose_every_trial_failed_exits_non_zero(tmp_path):
     proc = _sweep(tmp_path, "all_fail", "not_logged")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -51,6 +51,7 @@ def test_evaluation_means_on_one_two_and_three_ranks_are_the_single_process_ones
             assert values[f"{stage}/{name}"] == pytest.approx(mean, rel=1e-6), (n, name, values)
 
 
+@pytest.mark.long  # CI and make test-all; validate's means are in make test
 def test_training_and_validation_epoch_means_of_a_fit_are_those_of_all_samples(tmp_path):
     train, val = closed_form("train"), closed_form("val")
     for n in RANKS:

@@ -12,6 +12,7 @@ from tests.helpers import REPO
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.long  # CI and make test-all (~55 s: one process and 2 ranks of each loop)
 def test_count_syncs_sees_the_hand_loops_item_per_step_and_the_guards_staged_reads(tmp_path):
     out = tmp_path / "syncs.json"
     cmd = [sys.executable, str(REPO / "scripts" / "count_syncs.py"), "--epochs", "2", "--sides", "hand,template"]
