@@ -30,6 +30,7 @@ def batches(workers: int, epoch: int, skip: int = 0, persistent: bool = False, s
     return out
 
 
+@pytest.mark.slow  # loader worker processes
 def test_each_samples_draws_depend_on_seed_epoch_and_index_only():
     one, two = batches(1, epoch=3), batches(2, epoch=3)
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))  # 1 or 2 workers: the same samples
