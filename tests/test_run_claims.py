@@ -26,7 +26,7 @@ def files(folder: Path) -> dict[str, str]:
 
 def test_fits_started_together_with_one_run_name_get_folders_of_their_own(tmp_path):
     stamps = tmp_path / "stamps.txt"
-    slow = ["--model.net", "tests.fixtures.slow_net.SlowToBuild", "--model.net.init_args.seconds", "4",
+    slow = ["--model.net", "tests.fixtures.slow_net.SlowToBuild", "--model.net.init_args.seconds", "8",
             "--model.net.init_args.stamps", str(stamps)]  # fmt: skip
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda lr: cli("fit", *TINY, *slow, "--model.lr", lr, cwd=tmp_path, check=False,
