@@ -320,8 +320,6 @@ class ParsesPlainLightningCheckpoints:
     """
 
     def _parse_ckpt_path(self) -> None:
-        import importlib
-        import inspect
         from pathlib import Path
 
         from jsonargparse import Namespace
@@ -335,10 +333,9 @@ class ParsesPlainLightningCheckpoints:
         hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu", mmap=True).get("hyper_parameters")
         if not isinstance(hparams, dict) or not hparams or "_class_path" in hparams or "_instantiator" in hparams:
             return super()._parse_ckpt_path()  # type: ignore[misc]  # a LightningCLI checkpoint (or none)
-        module_name, _, class_name = model.class_path.rpartition(".")
-        cls = getattr(importlib.import_module(module_name), class_name)
-        arguments = set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
-        own = {k: v for k, v in hparams.items() if k in arguments}
+        from project.engine.weights import its_arguments
+
+        own = its_arguments(model.class_path, hparams)
         if own:
             update = {subcommand: {"model": {"class_path": model.class_path, "init_args": own}}}
             self.config = self.parser.parse_object(update, config)  # type: ignore[attr-defined]

@@ -24,7 +24,6 @@ A module that cannot be exported raises ``ValueError`` naming the format and the
 overwritten.
 """
 
-import importlib
 import inspect
 import json
 import logging
@@ -43,7 +42,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from project.engine.checkpoint_files import load_checkpoint_file
 from project.engine.compat_torch import tree_leaves, tree_map
 from project.engine.sharded import full_state_dict
-from project.engine.weights import build, save_net
+from project.engine.weights import build, its_arguments, save_net
 
 FORMATS = ("safetensors", "onnx", "pt2", "pth")
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -75,10 +74,7 @@ def _with_checkpoint_hparams(recipe: dict[str, Any], ckpt_path: Path) -> dict[st
     hparams = load_checkpoint_file(ckpt_path, mmap=True).get("hyper_parameters")
     if not isinstance(hparams, dict) or "_class_path" in hparams:  # none, or the CLI's (config.yaml has them)
         return recipe
-    module_name, _, class_name = recipe["class_path"].rpartition(".")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    takes = set(inspect.signature(cls.__init__).parameters) - {"self"}
-    given = {k: v for k, v in hparams.items() if k in takes and k not in recipe["init_args"]}
+    given = {k: v for k, v in its_arguments(recipe["class_path"], hparams).items() if k not in recipe["init_args"]}
     return {**recipe, "init_args": {**given, **recipe["init_args"]}}
 
 

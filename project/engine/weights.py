@@ -59,3 +59,15 @@ def load_net(path: str | Path, device: str = "cpu") -> nn.Module:
     net = build({"class_path": metadata["class_path"], "init_args": json.loads(metadata.get("init_args", "{}"))})
     load_model(net, str(path), strict=True, device=device)
     return net.eval()
+
+
+def its_arguments(class_path: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``values`` that ``class_path``'s ``__init__`` takes by name: of a checkpoint's
+    ``hyper_parameters``, those that rebuild the saved module (``save_hyperparameters(ignore=...)`` and
+    ``self.hparams`` additions are none of them)."""
+    import importlib
+    import inspect
+
+    module_name, _, class_name = class_path.rpartition(".")
+    takes = set(inspect.signature(getattr(importlib.import_module(module_name), class_name).__init__).parameters)
+    return {k: v for k, v in values.items() if k in takes - {"self", "args", "kwargs"}}
