@@ -15,11 +15,11 @@ WORKERS ?= 2
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml engine/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ./engine -e ".[dev]"
 	touch $@
 
 setup: $(BIN)/.installed  ## create .venv with torch, the project and the dev tools
@@ -44,7 +44,7 @@ test-oldest:  ## the fast tests on the oldest versions pyproject.toml allows, in
 	.venv-oldest/bin/pip install --quiet --upgrade pip
 	.venv-oldest/bin/pip install --quiet $(TORCH)
 	$(PYTHON) .ci/oldest_constraints.py > .venv-oldest/constraints.txt
-	.venv-oldest/bin/pip install --quiet -c .venv-oldest/constraints.txt -e ".[dev]"
+	.venv-oldest/bin/pip install --quiet -c .venv-oldest/constraints.txt -e ./engine -e ".[dev]"
 	.venv-oldest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
 	.venv-oldest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
 
@@ -54,7 +54,7 @@ test-newest:  ## the fast tests on the newest versions pyproject.toml allows, in
 	.venv-newest/bin/pip install --quiet $(TORCH)
 	# every other dependency at its newest within pyproject.toml's ranges; torch stays the build installed above
 	.venv-newest/bin/python -c "import torch; print('torch==' + torch.__version__)" > .venv-newest/constraints.txt
-	.venv-newest/bin/pip install --quiet --upgrade --upgrade-strategy eager -c .venv-newest/constraints.txt -e ".[dev]"
+	.venv-newest/bin/pip install --quiet --upgrade --upgrade-strategy eager -c .venv-newest/constraints.txt -e ./engine -e ".[dev]"
 	.venv-newest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
 	.venv-newest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
 # template-only:start (a copy has no scripts/new_project.py)

@@ -1,11 +1,24 @@
+"""``python -m project fit|validate|test|predict|sweep ...``: the engine's command line (steadfast) with this
+project's base config, ``configs/default.yaml``."""
+
 import gc
+from pathlib import Path
 
-from project.engine.cli import cli_main
+from steadfast import cli_main
 
-if __name__ == "__main__":
+# beside the package (a source checkout, or `pip install -e`), else the working directory (installed into
+# site-packages, run from the project folder)
+BASE_CONFIGS = (Path(__file__).resolve().parent.parent / "configs" / "default.yaml", Path("configs") / "default.yaml")
+
+
+def main() -> None:
     try:
-        cli_main()
+        cli_main(base_config=BASE_CONFIGS)
     finally:
         # The process ends here: its objects are left out of the garbage collection at exit (1.2 s with Lightning's
-        # ~450k objects). cli_main itself leaves the heap as it found it (project.engine.run_scope).
+        # ~450k objects). cli_main itself leaves the heap as it found it (steadfast.run_scope).
         gc.freeze()
+
+
+if __name__ == "__main__":
+    main()

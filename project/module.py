@@ -12,7 +12,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from project.engine.schedule import LinearWarmupCosineAnnealingLR
+from steadfast import LinearWarmupCosineAnnealingLR
 from project.nets import MLP
 
 # The default net as the config shows it (`--print_config`); a Classifier built in Python gets an MLP of its own.

@@ -40,7 +40,7 @@ FIT_ARGS = ["--model.net.init_args.hidden_sizes", "[4096, 4096, 4096]", "--train
 def stall_pairs(megabytes: float, repeats: int, folder: Path) -> dict:
     import torch
 
-    from project.engine.checkpoint_io import AtomicCheckpointIO
+    from steadfast.checkpoint_io import AtomicCheckpointIO
 
     width = int((megabytes * 1e6 / (4 * 3 * 4)) ** 0.5)  # 4 layers of width^2 float32 weights, 3 copies each
     torch.manual_seed(0)
@@ -85,7 +85,7 @@ def stall_pairs(megabytes: float, repeats: int, folder: Path) -> dict:
 
 def fit_once(args: list[str], out: Path) -> None:
     """Worker: one in-process fit, its duration written to ``out``."""
-    from project.engine.cli import cli_main
+    from steadfast.cli import cli_main
 
     start = time.perf_counter()
     cli = cli_main(["fit", *args])

@@ -5,7 +5,7 @@
 A plain LightningModule (the same MLP, AdamW, the same warmup-cosine schedule stepped per step, ``self.log`` of the
 step loss and the epoch metrics), a plain ``TensorBoardLogger``, a ``ModelCheckpoint`` every 2 epochs as the blog
 saves, ``LearningRateMonitor`` as the other two sides log the rate, Lightning's TQDM progress bar, and the blog's
-loaders from ``benchmark_hand.digits_loaders`` (same batches, same order). Nothing of ``project.engine`` runs here but
+loaders from ``benchmark_hand.digits_loaders`` (same batches, same order). Nothing of ``steadfast`` runs here but
 the schedule. ``benchmark_timer.BenchmarkTimer`` times it, over the same span as the template's.
 """
 
@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQ
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
-from project.engine.schedule import LinearWarmupCosineAnnealingLR
+from steadfast.schedule import LinearWarmupCosineAnnealingLR
 from project.nets import MLP
 
 

@@ -10,7 +10,7 @@ import time
 import torch
 from torch.utils.data import TensorDataset
 
-from project.engine.sample_seeds import seed_per_sample
+from steadfast.sample_seeds import seed_per_sample
 
 SAMPLES = 20_000
 

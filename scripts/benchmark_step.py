@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from project.engine.compat_logging import skip_moves_already_done
-from project.engine.guards import gradients_finite
-from project.engine.host_memory import keep_freed_host_memory
-from project.engine.profiler import NoProfiler
+from steadfast.compat_logging import skip_moves_already_done
+from steadfast.guards import gradients_finite
+from steadfast.host_memory import keep_freed_host_memory
+from steadfast.profiler import NoProfiler
 from project.module import Classifier
 from project.nets import MLP
 
@@ -172,7 +172,7 @@ def contexts_per_step(hidden: list[int], loader: DataLoader) -> float:
     import io
     import tempfile
 
-    from project.engine.cli import cli_main
+    from steadfast.cli import cli_main
 
     with unittest.mock.patch.object(sys, "argv", sys.argv[:1]):  # the CLI parses its args, not this script's
         cli = cli_main(["--trainer.logger", "false", "--trainer.enable_progress_bar", "false"], run=False)

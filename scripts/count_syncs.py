@@ -131,7 +131,7 @@ def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str])
         with unittest.mock.patch.object(benchmark_lightning.L, "Trainer", with_counter), split_over_ranks(world, rank):
             benchmark_lightning.main(rank_file(out.with_name("timer.json"), rank), spec)
         return
-    from project.engine.cli import cli_main
+    from steadfast.cli import cli_main
 
     args = ["fit", "--trainer.max_epochs", str(spec["epochs"]), "--run.root", str(out.parent / "runs")]
     args += [*DDP_TEMPLATE, "--trainer.devices", str(world)] if world > 1 else []
@@ -193,7 +193,7 @@ def table(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 LABELS = {"hand": "(a) hand", "lightning": "(b) lightning", "template": "(c) template"}
-GUARD = "project/engine/guards.py (_read_staged)"
+GUARD = "engine/steadfast/guards.py (_read_staged)"
 
 
 def label(column: str) -> str:

@@ -37,9 +37,9 @@ HOST_CODE = (
     ("/torch/optim/", "host: optimizer step counters"),
     ("/torch/utils/data/", "host: sampler"),
     # copies the engine staged into host memory steps before (pinned, non-blocking on a GPU): read without waiting
-    ("/project/engine/guards.py:_read_staged", "host: staged copies"),
-    ("/project/engine/signals.py:sums", "host: staged copies"),  # the ranks' agreement on a stop, read steps later
-    ("/project/engine/compat_logging.py:_staged_bar_values", "host: staged copies"),
+    ("/engine/steadfast/guards.py:_read_staged", "host: staged copies"),
+    ("/engine/steadfast/signals.py:sums", "host: staged copies"),  # the ranks' agreement on a stop, read steps later
+    ("/engine/steadfast/compat_logging.py:_staged_bar_values", "host: staged copies"),
 )
 SOURCES = (
     # under DDP: Lightning's per-step agreement on a SIGTERM (Lightning issue #21487), a ModelCheckpoint's check of
@@ -50,7 +50,7 @@ SOURCES = (
     ("/lightning/pytorch/callbacks/progress/", "lightning: progress bar"),
     ("/lightning/pytorch/trainer/connectors/logger_connector/", "lightning: logging"),
     ("/lightning/pytorch/loggers/", "lightning: logging"),
-    ("/project/engine/", "engine"),
+    ("/engine/steadfast/", "engine"),
     ("/lightning/pytorch/callbacks/", "lightning: other callbacks"),
     ("/project/module.py", "module.py"),
     ("/scripts/benchmark", "the script's own code"),

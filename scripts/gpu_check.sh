@@ -39,8 +39,8 @@ import yaml
 
 config = yaml.safe_load(open(sys.argv[1]))
 callbacks = config["trainer"]["callbacks+"]
-config["trainer"]["callbacks+"] = [c for c in callbacks if c["class_path"] != "project.engine.speed.Compile"]
-assert len(config["trainer"]["callbacks+"]) == len(callbacks) - 1, "gpu.yaml has no project.engine.speed.Compile"
+config["trainer"]["callbacks+"] = [c for c in callbacks if c["class_path"] != "steadfast.speed.Compile"]
+assert len(config["trainer"]["callbacks+"]) == len(callbacks) - 1, "gpu.yaml has no steadfast.speed.Compile"
 open(sys.argv[2], "w").write(yaml.safe_dump(config, sort_keys=False))
 EOF
 
@@ -123,7 +123,7 @@ from pathlib import Path
 
 import torch
 
-from project.engine.sharded import full_state_dict
+from steadfast.sharded import full_state_dict
 
 root = Path(sys.argv[1])
 ref, got = (root / f"{k}/digits/version_0/checkpoints/last.ckpt" for k in ("reference", "resumed"))

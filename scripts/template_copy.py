@@ -31,10 +31,10 @@ TEMPLATE_ONLY = (
     "tests/test_new_project.py",
     "tests/test_template_update.py",
     "scripts/benchmark*.py",
-    "tests/example/test_benchmark.py",
+    "tests/test_benchmark.py",
     "scripts/count_syncs*.py",  # it runs the benchmark's hand loop and plain Lightning beside the template
     "tests/test_count_syncs*.py",
-    "tests/example/test_count_syncs.py",
+    "tests/test_count_syncs.py",
     "docs/speed.md",
     ".ci/test_copy.sh",
 )

@@ -1,5 +1,5 @@
 """``--no-example``: the digits data module (the whole ``data.py``) gives way to the skeleton in
-``scripts/skeleton/`` (synthetic data in plain loaders), the example's tests (``tests/example/``) to the skeleton's,
+``scripts/skeleton/`` (synthetic data in plain loaders), the example's tests (``tests/``) to the skeleton's,
 and the scripts that use the digits DataModule stay behind; the Classifier and the nets stay. Every engine test
 (``tests/test_*.py``, which trains fixtures, not the example) goes into the copy. Used by
 scripts/template_copy.py; only the standard library.
@@ -9,7 +9,7 @@ import ast
 import re
 from pathlib import Path
 
-EXAMPLE_WORD = "digits"  # a test outside tests/example/ that mentions it is refused
+EXAMPLE_WORD = "digits"  # a test outside tests/ that mentions it is refused
 EXAMPLE_TESTS = ("tests", "example")  # the example's tests: left behind, the skeleton's put in their place
 
 
@@ -28,7 +28,7 @@ def drop_example(texts: dict[Path, str], skeleton: Path, package: str) -> dict[s
                 raise RuntimeError(f"--no-example: expected a LightningDataModule in {rel} and a class in {path}")
             texts[rel] = path.read_text()  # the whole module: the example's data and its imports go with it
             renames.update(dict.fromkeys(removed, added[0]))
-    # The example's tests (tests/example/) go; the skeleton puts its own there. Every other test is the engine's and
+    # The example's tests (tests/) go; the skeleton puts its own there. Every other test is the engine's and
     # stays: one that names the example would fail in the copy, a template bug to refuse, not a file to drop.
     # Any other module outside the package that uses the example's classes goes.
     uses = re.compile(rf"\b({'|'.join(map(re.escape, renames))})\b")
@@ -38,7 +38,7 @@ def drop_example(texts: dict[Path, str], skeleton: Path, package: str) -> dict[s
             if rel.name != "__init__.py":
                 del texts[rel]
         elif rel.name.startswith("test_") and mentions.search(texts[rel]):
-            raise RuntimeError(f"--no-example: {rel} names the example but is not under tests/example/, where the "
+            raise RuntimeError(f"--no-example: {rel} names the example but is not under tests/, where the "
                                "example's tests go: move it there, or make it train tests/fixtures/")  # fmt: skip
         elif uses.search(texts[rel]):
             del texts[rel]

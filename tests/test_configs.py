@@ -1,87 +1,34 @@
-"""Every YAML under configs/ parses with the CLI, so a renamed argument breaks the build, not a user's run. Here on
-the stand-in; the configs that name the example (the base config's classes, the sweep's nets) are parsed with it in
-tests/example/test_configs.py."""
+"""The configs with the example's classes: the base config names them, and every other config applies on top of
+them; the sweep's space turns the example's arguments and nets."""
 
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import REPO, STAND_IN
+from tests.helpers import REPO
 
-BASE = REPO / "configs" / "default.yaml"  # always read first; it names the example's classes
-# The configs given after the base config: none names a model or data class, so they apply to the stand-in too.
-FIT_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("sweep") and p != BASE)
+FIT_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("sweep"))
 
 
 @pytest.mark.parametrize("config", FIT_CONFIGS, ids=lambda p: p.name)
-def test_every_config_parses(config, monkeypatch, capsys):
-    from project.engine.cli import cli_main
+def test_every_config_parses_with_the_example(config, monkeypatch, capsys):
+    from steadfast.cli import cli_main
 
     monkeypatch.setattr(sys, "argv", ["project"])
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["fit", *STAND_IN, "--config", str(config), "--print_config"])
+        cli_main(["fit", "--config", str(config), "--print_config"])
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["class_path"] == STAND_IN[1] and printed["data"]["class_path"] == STAND_IN[3]
+    assert printed["model"]["class_path"] == "project.module.Classifier"
+    assert printed["data"]["class_path"] == "project.data.DigitsDataModule"
 
 
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("sweep*.yaml")), ids=lambda p: p.name)
-def test_every_sweep_config_parses(config):
-    """The sweep's own keys (its space against the fit parser: tests/example/test_configs.py, the space turns the
-    example's arguments)."""
-    from project.engine.sweep import build_parser, sweep_from
+def test_every_sweep_config_parses_and_its_space_fits_the_fit_parser(config):
+    from steadfast.sweep import build_parser, sweep_from
+    from steadfast.sweep_space import check_space
 
     parser = build_parser()
-    sweep = sweep_from(parser, parser.parse_args(["--config", str(config)]))  # each spec checked as it is built
-    assert sweep.space == yaml.safe_load(config.read_text())["space"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "configs").glob("debug_*.yaml")))
-def test_each_debug_preset_runs(preset, tmp_path):
-    from tests.helpers import QUIET, cli_in_process
-
-    cli = cli_in_process("fit", "--config", str(REPO / "configs" / preset), *QUIET, "--trainer.max_epochs", "2",
-                         "--trainer.limit_val_batches", "1", root=tmp_path / "runs")  # fmt: skip
-    assert cli.trainer.global_step > 0
-    assert cli.trainer.state.finished
-
-
-@pytest.mark.long  # CI and make test-all; a non-editable install
-@pytest.mark.slow  # two interpreters with another sys.path: what `pip install .` gives
-def test_installed_without_editable_the_base_config_is_the_project_folders_or_named(tmp_path):
-    """`pip install .` puts `project` in site-packages, with no configs/ beside it: the project folder's is used
-    when run from there; elsewhere one line says where it looked (and the parser names what is missing)."""
-    import os
-    import shutil
-    import subprocess
-
-    site, folder, elsewhere = tmp_path / "site-packages", tmp_path / "my_project", tmp_path / "elsewhere"
-    shutil.copytree(REPO / "project", site / "project", ignore=shutil.ignore_patterns("__pycache__"))
-    # the stand-in beside it, importable as tests.fixtures.stand_in: what the run below is given to train
-    shutil.copytree(
-        REPO / "tests" / "fixtures", site / "tests" / "fixtures", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    shutil.copytree(REPO / "configs", folder / "configs")
-    elsewhere.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONWARNINGS": "ignore"}
-
-    def run(cwd, *args):
-        args = [sys.executable, "-m", "project", "fit", *args]
-        return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-
-    found = run(folder, *STAND_IN, "--print_config")
-    assert found.returncode == 0, found.stderr[-2000:]
-    # the base config's callbacks, which no class default or flag above gives: the project folder's base config
-    base = yaml.safe_load(BASE.read_text())["trainer"]["callbacks"]
-    printed = yaml.safe_load(found.stdout)["trainer"]["callbacks"]
-    assert [c["class_path"] for c in printed] == [c["class_path"] for c in base], printed
-    lost = run(elsewhere, "--trainer.fast_dev_run", "true")
-    assert lost.returncode != 0
-    default = Path("configs") / "default.yaml"
-    note = f"note: no base config at {site / default} or {elsewhere / default}"
-    assert lost.stdout.splitlines()[0].startswith(note), lost.stdout
-    assert "error:" in lost.stderr and "model" in lost.stderr and "Traceback" not in lost.stderr, lost.stderr[-2000:]
-    assert not (elsewhere / "runs").exists()
+    sweep = sweep_from(parser, parser.parse_args(["--config", str(config)]))
+    check_space(sweep.space, sweep.fit)  # raises ValueError naming a key or value that fit refuses

@@ -1,227 +1,35 @@
-"""Export: each format gives the Lightning model's own outputs; a net that cannot be exported says why in one line."""
+"""The example's own nets (project/nets.py) export to every format equal to the Classifier's forward: the engine's
+export is tested on the stand-in (tests/test_export.py); this checks the layers a user's copy starts with
+(GroupNorm, adaptive pooling) survive each exporter."""
 
-import contextlib
-import io
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
-import yaml
-from lightning.pytorch import LightningModule
 from safetensors import safe_open
-from torch import nn
 
-from project.engine.checkpoint_files import load_checkpoint_file
-from project.engine.export import export
-from project.engine.weights import build
-from tests.helpers import REPO, RUN_NAME, run_onnx, with_stand_in
+from steadfast.export import export
+from tests.test_export import RUNNERS, lightning_model, make_run
 
-# the stand-in with each of its nets (tests/fixtures/stand_in.py), by class name
-NETS = {
-    "MLP": ["--model.net.hidden_sizes", "[32, 16]"],
-    "SmallCNN": ["--model.net", "tests.fixtures.stand_in.SmallCNN"],
-}
+NETS = {"MLP": [], "CNN": ["--model.net", "project.nets.CNN"]}  # the base config's net, and the other one
 
 
-def make_run(root: Path, model_args: list[str], family: str = RUN_NAME, example: bool = False) -> Path:
-    """A run folder as ``fit`` leaves it: the CLI's own config.yaml and a checkpoint of that config's module (the
-    stand-in's unless ``model_args`` name another, or ``example=True``).
-
-    The weights are the seeded initial ones, perturbed so that no layer is left at an identity-like default.
-    """
-    from project.engine.cli import cli_main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), mock.patch.object(sys, "argv", ["project"]), pytest.raises(SystemExit):
-        cli_main(with_stand_in(["fit", *model_args, "--print_config"], example))
-    config = yaml.safe_load(out.getvalue())
-    torch.manual_seed(0)
-    module = build(config["model"], LightningModule)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    run = root / "runs" / family / "version_0"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "config.yaml").write_text(yaml.safe_dump(config))
-    torch.save({"state_dict": module.state_dict(), "global_step": 0, "epoch": 0}, run / "checkpoints" / "last.ckpt")
-    return run / "checkpoints" / "last.ckpt"
-
-
-def lightning_model(ckpt: Path) -> LightningModule:
-    """The oracle: the config's module with the checkpoint's state_dict, as Lightning's predict would run it."""
-    module = build(yaml.safe_load((ckpt.parent.parent / "config.yaml").read_text())["model"], LightningModule)
-    module.load_state_dict(load_checkpoint_file(ckpt)["state_dict"])
-    return module.eval()
-
-
-@pytest.fixture(scope="module", params=list(NETS))
-def exported(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    ckpt = make_run(root, NETS[request.param])
-    paths = export(ckpt, root / "export", ("safetensors", "onnx", "pt2", "pth"))
-    return request.param, lightning_model(ckpt), {p.suffix[1:]: p for p in paths}
-
-
-def run_safetensors(path: Path):
-    from project.engine.weights import load_net
-
-    net = load_net(path)
-    return lambda x: net(x)
-
-
-def run_pt2(path: Path):
-    program = torch.export.load(path).module()
-    return lambda x: program(x)
-
-
-def run_pth(path: Path):
-    module = build(json.loads(path.with_suffix(".json").read_text()))
-    module.load_state_dict(torch.load(path, weights_only=True))
-    return module.eval()
-
-
-RUNNERS = {"safetensors": run_safetensors, "onnx": run_onnx, "pt2": run_pt2, "pth": run_pth}
-
-
-@pytest.mark.parametrize("fmt", list(RUNNERS))
-def test_each_format_gives_the_lightning_models_outputs_for_batches_of_1_and_7(exported, fmt):
-    name, module, paths = exported
-    run = RUNNERS[fmt](paths[fmt])
-    for batch in (1, 7):
-        seed = 100 + batch
-        x = torch.rand(batch, 1, 8, 8, generator=torch.Generator().manual_seed(seed))
-        with torch.no_grad():
-            expected, got = module(x), run(x)
-        assert got.shape == expected.shape == (batch, 10)
-        delta = (got - expected).abs().max().item()
-        print(f"{name} {fmt} batch {batch}: max |delta| {delta:.3g}")
-        assert delta <= 1e-5, f"{name} {fmt} batch {batch} (input seed {seed}): max |delta| {delta}"
-
-
-def test_safetensors_carry_the_module_recipe_and_load_with_no_pickle_as_an_ordinary_file(exported):
-    name, _, paths = exported
+@pytest.mark.parametrize("name", list(NETS))
+def test_the_examples_nets_export_to_each_format_equal_to_the_classifier(tmp_path, name):
+    ckpt = make_run(tmp_path, NETS[name], family="example", example=True)
+    paths = {p.suffix[1:]: p for p in export(ckpt, tmp_path / "export", tuple(RUNNERS))}
     with safe_open(str(paths["safetensors"]), framework="pt") as f:
         metadata = f.metadata()
-    assert metadata["class_path"] == "tests.fixtures.stand_in.StandIn"
-    assert json.loads(metadata["init_args"])["net"]["class_path"] == f"tests.fixtures.stand_in.{name}"
-    mask = os.umask(0)
-    os.umask(mask)
-    assert paths["safetensors"].stat().st_mode & 0o777 == 0o666 & ~mask  # not safetensors' 0600
-    # A fresh interpreter where unpickling anything fails once the classes are imported
-    code = (
-        "import pickle\n"  # the module's class imported first: Lightning's own imports subclass pickle's classes
-        "import torch, tests.fixtures.stand_in; from project.engine.weights import load_net\n"
-        "pickle.loads = pickle.load = pickle.Unpickler = torch.load = None\n"
-        f"net = load_net({str(paths['safetensors'])!r}); print(net(torch.zeros(3, 1, 8, 8)).shape)"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env={"PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "torch.Size([3, 10])" in proc.stdout
-
-
-class BranchyNet(nn.Module):
-    """Data-dependent Python control flow: which branch runs depends on the values, which a trace cannot keep."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x.flatten(1))
-        return y if y.sum() > 0 else -y
-
-
-class NamedOutputNet(BranchyNet):
-    """Returns a dict with a string in it: no tensor graph to export."""
-
-    def forward(self, x: torch.Tensor) -> dict:  # type: ignore[override]
-        return {"logits": self.linear(x.flatten(1)), "labels": "classes"}
-
-
-@pytest.mark.parametrize(
-    ("net", "reason"), [("BranchyNet", "branches on a tensor's value"), ("NamedOutputNet", "returns a dict")]
-)
-@pytest.mark.parametrize("fmt", ["onnx", "pt2"])
-def test_a_net_that_cannot_be_exported_gets_one_line_naming_the_format_and_the_reason(tmp_path, net, reason, fmt):
-    ckpt = make_run(tmp_path, ["--model.net", f"tests.test_export.{net}"])
-    with pytest.raises(ValueError) as error:
-        export(ckpt, tmp_path / "export", (fmt,))
-    message = str(error.value)
-    assert message.startswith(f"{fmt} export of tests.fixtures.stand_in.StandIn failed") and reason in message, message
-    assert "\n" not in message
-    assert not (tmp_path / "export" / f"model.{fmt}").exists()
-
-
-@pytest.mark.slow  # a subprocess: the script's exit code and last line are the point
-def test_script_refuses_to_overwrite_and_reports_it_in_one_line(tmp_path):
-    ckpt = make_run(tmp_path, NETS["MLP"])
-    out = tmp_path / "export"
-    (existing,) = export(ckpt, out, ("safetensors",))
-    before = existing.read_bytes()
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "export.py"), str(ckpt), "--out", str(out), "--format", "all"],
-        env={"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"export.py: error: {existing} exists; choose another --out (exports never overwrite)"
-    )
-    assert existing.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
-
-
-SHAPES = ["--model", "tests.fixtures.shapes.DictRegression", "--data", "tests.fixtures.shapes.DictData"]
-
-
-@pytest.mark.parametrize(
-    ("model", "traced_on"),
-    [
-        ("DictRegression", "a batch of predict_dataloader: its x, by forward's names"),
-        ("ExampleArrayRegression", "the module's example_input_array"),
-    ],
-)
-def test_any_lightning_module_exports_itself_equal_to_its_forward(tmp_path, model, traced_on):
-    """A module with no ``net`` that takes dict batches: the module itself is exported, traced on its
-    example_input_array, else on the dict batch's entries that forward names."""
-    ckpt = make_run(tmp_path, [*SHAPES, "--model", f"tests.fixtures.shapes.{model}"], family="dict")
-    said: list[str] = []
-    paths = export(ckpt, tmp_path / "export", ("onnx", "pt2", "safetensors"), say=said.append)
-    assert said == [f"Tracing forward for onnx/pt2 on {traced_on}"]
-    assert {p.name for p in paths} >= {"model.onnx", "model.pt2", "model.safetensors"}
-    assert all(p.exists() for p in paths)  # model.onnx.data among them when the exporter writes it
+    assert metadata["class_path"] == "project.module.Classifier"  # precondition: the example, not the stand-in
+    assert json.loads(metadata["init_args"])["net"]["class_path"] == f"project.nets.{name}"
     module = lightning_model(ckpt)
-    by_name = {p.name: p for p in paths}
-    runs = {fmt: RUNNERS[fmt](by_name[f"model.{fmt}"]) for fmt in ("onnx", "pt2", "safetensors")}
-    for batch in (1, 5):
-        seed = 200 + batch
-        x = torch.randn(batch, 4, generator=torch.Generator().manual_seed(seed))
-        with torch.no_grad():
-            expected = module(x)
-            for fmt, run in runs.items():
-                delta = (run(x) - expected).abs().max().item()
-                assert delta <= 1e-5, f"{model} {fmt} batch {batch} (input seed {seed}): max |delta| {delta}"
-
-
-@pytest.mark.parametrize(
-    ("given", "says"),
-    [
-        ("missing.ckpt", "missing.ckpt: no such checkpoint file or folder"),
-        ("junk.ckpt", "junk.ckpt is not a readable checkpoint: it is not a zip archive"),
-        ("alone.ckpt", "alone.ckpt is not in a run folder's checkpoints/ (no config.yaml at"),
-    ],
-)
-def test_a_file_that_cannot_be_exported_says_what_is_wrong_with_it(tmp_path, given, says):
-    (tmp_path / "junk.ckpt").write_text("not a checkpoint")
-    torch.save({"state_dict": {}, "global_step": 0}, tmp_path / "alone.ckpt")
-    with pytest.raises(ValueError) as error:
-        export(tmp_path / given, tmp_path / "export", ("safetensors",))
-    assert says in str(error.value), str(error.value)
+    for fmt, runner in RUNNERS.items():
+        run = runner(paths[fmt])
+        for batch in (1, 7):
+            seed = 100 + batch
+            x = torch.rand(batch, 1, 8, 8, generator=torch.Generator().manual_seed(seed))
+            with torch.no_grad():
+                expected, got = module(x), run(x)
+            assert got.shape == expected.shape == (batch, 10)
+            delta = (got - expected).abs().max().item()
+            assert delta <= 1e-5, f"{name} {fmt} batch {batch} (input seed {seed}): max |delta| {delta}"

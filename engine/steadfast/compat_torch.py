@@ -1,0 +1,132 @@
+"""The private torch APIs the engine relies on (``Optimizer``, ``LRScheduler``, ``Tensor``, serialization, DCP,
+pytree, gloo); tests/test_compat.py fails, naming the attribute, on a torch version where one changed.
+
+- torch's ``torch.distributed.checkpoint._traverse.set_element``: how DCP's own load planner puts a non-tensor value
+  into a nested state dict; the engine's planner does the same, reading the value with ``weights_only=True``.
+- torch's ``Optimizer._step_supports_amp_scaling``: the optimizer's step takes GradScaler's ``found_inf`` and skips
+  itself on the device when it is set (fused ``Adam``/``AdamW``/``SGD``...; ``skips_steps_on_device``,
+  ``steadfast.guards``).
+- torch's ``LRScheduler._last_lr``, what ``get_last_lr()`` returns (``set_last_lr``, ``steadfast.schedule``).
+- ``Tensor._version``, the in-place version counter (``version_counter``, ``steadfast.host_snapshot``).
+- torch's per-thread config overrides (``torch.utils._config_module``): ``crc32_off_in_this_thread`` leaves the
+  CRC-32 of this thread's ``torch.save`` out without touching any other thread's.
+- DCP's ``DefaultLoadPlanner`` internals (``original_state_dict``, ``mappings``) and ``FileSystemReader.load_id``
+  (``load_bytes_weights_only``, ``index_for_reader``, ``steadfast.sharded``).
+- gloo's messages for a lost peer (``PEER_GONE``, ``steadfast.rank_failures``).
+- ``torch.utils._pytree``'s ``tree_map`` and ``tree_leaves`` (``steadfast.export``).
+
+On a layout these functions do not know they raise ``LightningChanged`` (``steadfast.compat``).
+"""
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from steadfast.compat import LightningChanged
+
+
+def set_nested(state_dict: dict[str, Any], path: Any, value: Any) -> None:
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(state_dict, path, value)
+
+
+def skips_steps_on_device(optimizer: Any) -> bool:
+    """Whether ``optimizer.step`` reads ``optimizer.found_inf`` and leaves everything as it was while it is 1."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def set_last_lr(scheduler: Any, lrs: list[float]) -> None:
+    """What ``scheduler.get_last_lr()`` returns (torch's ``LRScheduler._last_lr``; it has no public setter)."""
+    if not hasattr(scheduler, "_last_lr"):
+        raise LightningChanged("torch's LRScheduler._last_lr (what get_last_lr returns) is gone")
+    scheduler._last_lr = list(lrs)
+
+
+def version_counter(t: torch.Tensor) -> int | None:
+    """``t``'s in-place version counter (bumped by every in-place write); ``None`` for an inference tensor, which
+    has none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+@functools.cache
+def _config_is_per_thread() -> bool:
+    from torch.utils.serialization import config
+
+    seen: list[bool] = []
+    inside, done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with config.patch({"save.compute_crc32": not config.save.compute_crc32}):
+            inside.set()
+            done.wait(5)
+
+    before = config.save.compute_crc32
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    inside.wait(5)
+    seen.append(config.save.compute_crc32)
+    done.set()
+    thread.join()
+    return seen == [before]
+
+
+@contextlib.contextmanager
+def crc32_off_in_this_thread() -> Iterator[bool]:
+    """Inside it, ``torch.save`` on this thread writes no CRC-32 (yields ``True``), where torch keeps its
+    serialization config per thread (2.13 does): a ``torch.save`` on another thread meanwhile keeps its checksums.
+    Where the setting is process-wide, nothing changes (yields ``False``)."""
+    if not _config_is_per_thread():
+        yield False
+        return
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield True
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def load_bytes_weights_only(planner: Any, read_item: Any, value: Any) -> None:
+    """DCP's ``DefaultLoadPlanner.load_bytes`` (which reads with ``weights_only=False``), reading with ``True``."""
+    try:
+        state_dict, path = planner.original_state_dict, planner.mappings[read_item.dest_index.fqn]
+    except AttributeError as error:
+        raise LightningChanged(f"DCP's DefaultLoadPlanner has no {error.name}") from None
+    set_nested(state_dict, path, torch.load(value, weights_only=True))
+
+
+def index_for_reader(reader: Any, metadata: Any) -> Any:
+    """DCP's ``Metadata`` as ``FileSystemReader.read_metadata`` returns it: with the reader's ``load_id``."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = reader.load_id
+    return metadata
+
+
+# What gloo's collectives raise when another rank's process is gone.
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "pair.cc")
+
+
+def tree_map(fn: Any, tree: Any) -> Any:
+    """torch's ``tree_map`` (``torch.utils._pytree``, which torch has no public name for): ``fn`` on every leaf of
+    nested lists, tuples and dicts, the structure kept."""
+    from torch.utils._pytree import tree_map as torch_tree_map
+
+    return torch_tree_map(fn, tree)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """torch's ``tree_leaves`` (``torch.utils._pytree``): the leaves of nested lists, tuples and dicts, in order."""
+    from torch.utils._pytree import tree_leaves as torch_tree_leaves
+
+    return torch_tree_leaves(tree)

@@ -1,0 +1,313 @@
+"""Export a checkpoint's model in the formats people deploy: ``export(ckpt, out_dir, formats)``.
+
+Any ``LightningModule`` with a ``forward``: it is rebuilt from the run's ``config.yaml`` (``model``: ``class_path``
+and ``init_args``, built by jsonargparse as LightningCLI builds it), the checkpoint's ``state_dict`` is loaded into
+it (strictly), and the module itself, in eval mode, is what is exported. A sharded checkpoint (a folder, from
+``configs/fsdp.yaml``) is consolidated on this one process first.
+
+- ``safetensors``: the module's weights, with ``class_path``/``init_args`` in the metadata; ``weights.load_net``
+  reads it back without unpickling anything.
+- ``onnx``: torch's exporter (``torch.onnx.export``, dynamo), batch dynamic. One tensor input is named ``input``,
+  one tensor output ``output``. Weights may go to ``model.onnx.data`` beside it (ONNX's external data), which the
+  ``.onnx`` file needs at load time: keep the two together.
+- ``pt2``: a ``torch.export`` program (``torch.export.save``; ``torch.export.load(f).module()`` runs it), batch
+  dynamic.
+- ``pth``: the bare ``state_dict`` and a ``.json`` with the module's ``class_path``/``init_args``.
+
+``onnx`` and ``pt2`` trace ``forward`` on an example: the module's ``example_input_array`` (Lightning's convention:
+a tuple is positional inputs, a dict keyword inputs, else one input), else two samples of one batch of the run's
+data module (predict loader, else val loader). Of a batch: a dict gives the entries that ``forward``'s parameters
+name, each as that parameter (positional where it can be; else the whole dict is the one input); a tuple or list
+gives its first element (``(x, y)``), or as many as ``forward`` has required positional parameters
+(``forward(inputs, target)``). The line ``export`` says names which.
+A module that cannot be exported raises ``ValueError`` naming the format and the reason; outputs are never
+overwritten.
+"""
+
+import inspect
+import json
+import logging
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from lightning.pytorch import LightningDataModule, LightningModule
+
+from steadfast.checkpoint_files import load_checkpoint_file
+from steadfast.compat_torch import tree_leaves, tree_map
+from steadfast.sharded import full_state_dict
+from steadfast.weights import build, its_arguments, save_net
+
+FORMATS = ("safetensors", "onnx", "pt2", "pth")
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _state_dict(ckpt_path: Path) -> dict[str, torch.Tensor]:
+    if ckpt_path.is_dir():  # a sharded checkpoint: its shards consolidated here, on one process
+        return full_state_dict(ckpt_path)
+    return load_checkpoint_file(ckpt_path)["state_dict"]
+
+
+def _run_config(ckpt_path: Path, config_path: Path | None = None) -> dict[str, Any]:
+    path = config_path or ckpt_path.resolve().parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt
+    if not path.is_file():
+        where = f"no such file: {path}" if config_path else f"no config.yaml at {path}"
+        raise ValueError(
+            f"{ckpt_path} is not in a run folder's checkpoints/ ({where}), and a config names the model class to "
+            "rebuild: export it where fit saved it (runs/<name>/version_N/checkpoints/), or give --config FILE "
+            "with model: your.Module (a checkpoint of plain Lightning)"
+        )
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _with_checkpoint_hparams(recipe: dict[str, Any], ckpt_path: Path) -> dict[str, Any]:
+    """The recipe with the arguments of a plain Lightning checkpoint's ``hyper_parameters`` that the class takes
+    and the config does not set: ``save_hyperparameters()`` kept what built the saved network."""
+    if ckpt_path.is_dir():
+        return recipe
+    hparams = load_checkpoint_file(ckpt_path, mmap=True).get("hyper_parameters")
+    if not isinstance(hparams, dict) or "_class_path" in hparams:  # none, or the CLI's (config.yaml has them)
+        return recipe
+    given = {k: v for k, v in its_arguments(recipe["class_path"], hparams).items() if k not in recipe["init_args"]}
+    return {**recipe, "init_args": {**given, **recipe["init_args"]}}
+
+
+def _recipe(section: Any, what: str) -> dict[str, Any]:
+    if isinstance(section, str):  # `model: my.Model`
+        section = {"class_path": section}
+    if not isinstance(section, dict) or "class_path" not in section:
+        raise ValueError(f"the run's config.yaml names no {what} class_path")
+    return {"class_path": section["class_path"], "init_args": section.get("init_args") or {}}
+
+
+def load_checkpoint_module(
+    ckpt_path: str | Path, config_path: str | Path | None = None
+) -> tuple[LightningModule, dict[str, Any], dict[str, Any]]:
+    """The run's ``LightningModule`` with the checkpoint's weights, in eval mode; its recipe; the run's config
+    (``config_path``, else the run folder's ``config.yaml``)."""
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise ValueError(f"{ckpt_path}: no such checkpoint file or folder")
+    state_dict = _state_dict(path)  # first: a file that is no checkpoint is said to be one, wherever it is
+    config = _run_config(path, Path(config_path) if config_path is not None else None)
+    recipe = _with_checkpoint_hparams(_recipe(config.get("model"), "model"), path)
+    module = build(recipe, LightningModule)
+    module.configure_model()  # layers a module builds there, as Lightning does before loading
+    try:
+        module.load_state_dict(state_dict)
+    except RuntimeError as error:
+        raise ValueError(f"{ckpt_path} does not fit {recipe['class_path']}: {_reason(error)}") from None
+    return module.eval(), recipe, config
+
+
+def _two_samples(inputs: Any) -> Any:
+    # Two, not one: a traced batch of 1 would be fixed to 1.
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        return t[:2] if len(t) >= 2 else torch.cat([t, t])
+
+    return tree_map(cut, inputs)
+
+
+def _forward_parameters(module: LightningModule) -> dict[str, inspect.Parameter]:
+    return dict(inspect.signature(module.forward).parameters)
+
+
+def example_inputs(module: LightningModule, config: dict[str, Any]) -> tuple[Inputs, str]:
+    """``(args, kwargs)`` to trace ``forward`` on, and a few words on where they came from."""
+    given = module.example_input_array
+    if given is not None:
+        if isinstance(given, Mapping):
+            return ((), dict(_two_samples(dict(given)))), "the module's example_input_array, as keyword inputs"
+        if isinstance(given, tuple | list):
+            return (tuple(_two_samples(list(given))), {}), "the module's example_input_array, as positional inputs"
+        return ((_two_samples(given),), {}), "the module's example_input_array"
+    datamodule = build(_recipe(config.get("data"), "data (and the module no example_input_array)"), LightningDataModule)
+    batch, loader = None, None
+    for stage, loader in (("predict", "predict_dataloader"), ("validate", "val_dataloader")):
+        try:
+            datamodule.setup(stage)
+            batch = next(iter(getattr(datamodule, loader)()))
+            break
+        except Exception:  # a data module without this loader: the next one
+            continue
+    if batch is None:
+        raise ValueError(
+            "no example input: the module has no example_input_array and the run's data module gave no predict or "
+            "val batch; set self.example_input_array in the module"
+        )
+    batch = _two_samples(batch)
+    if isinstance(batch, Mapping):
+        named = {k: v for k, v in batch.items() if k in _forward_parameters(module)}
+        if named:  # in forward's order, positional where it can: the exported program is called like forward
+            bound = inspect.signature(module.forward).bind(**named)
+            return (bound.args, bound.kwargs), f"a batch of {loader}: its {', '.join(named)}, by forward's names"
+        return ((dict(batch),), {}), f"a batch of {loader}: the dict as the one input"
+    if isinstance(batch, tuple | list):
+        # forward(x) of an (x, y) batch takes its first element; forward(inputs, target) (Lightning's demo
+        # transformer) as many as it has required positional parameters
+        required = [
+            p
+            for p in _forward_parameters(module).values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
+        n = min(max(len(required), 1), len(batch))
+        what = "its first element as the input" if n == 1 else f"its first {n} elements as forward's {n} inputs"
+        return (tuple(batch[:n]), {}), f"a batch of {loader}: {what}"
+    return ((batch,), {}), f"a batch of {loader} as the input"
+
+
+def _reason(error: BaseException) -> str:
+    """One line: the innermost cause (torch's exporters wrap it in pages of advice)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if "data-dependent" in line:
+        return f"forward branches on a tensor's value ({line}); use torch.where or torch.cond"
+    return f"{type(error).__name__}: {line[:300]}"
+
+
+def _check_traceable(module: LightningModule, inputs: Inputs, fmt: str, class_path: str) -> Any:
+    args, kwargs = inputs
+    with torch.no_grad():
+        try:
+            y = module(*args, **kwargs)
+        except Exception as error:
+            raise ValueError(f"{fmt} export of {class_path} failed: forward raised {_reason(error)}") from None
+    odd = [leaf for leaf in tree_leaves(y) if not isinstance(leaf, torch.Tensor)]
+    if odd or not tree_leaves(y):
+        what = f"a {type(y).__name__}" + (f" holding a {type(odd[0]).__name__}" if odd else " of no tensor")
+        raise ValueError(
+            f"{fmt} export of {class_path} failed: forward returns {what}; it must return tensors (one, or a "
+            "tuple or dict of them), batch first"
+        )
+    return y
+
+
+def _dynamic_batch(module: LightningModule, inputs: Inputs) -> dict[str, Any]:
+    """Dimension 0 of every input tensor is one batch size, free; keyed by ``forward``'s parameter names."""
+    batch = torch.export.Dim("batch", min=1)
+    bound = inspect.signature(module.forward).bind(*inputs[0], **inputs[1]).arguments
+    free = lambda t: {0: batch} if isinstance(t, torch.Tensor) and t.dim() > 0 else None  # noqa: E731
+    return {name: tree_map(free, value) for name, value in bound.items()}
+
+
+def _export_program(module: LightningModule, inputs: Inputs, path: Path) -> None:
+    program = torch.export.export(module, inputs[0], inputs[1], dynamic_shapes=_dynamic_batch(module, inputs))
+    torch.export.save(program, path)
+
+
+def _export_onnx(module: LightningModule, inputs: Inputs, output: Any, path: Path) -> None:
+    args, kwargs = inputs
+    single_input = len(args) + len(kwargs) == 1 and isinstance([*args, *kwargs.values()][0], torch.Tensor)
+    torch.onnx.export(
+        module,
+        args,
+        path,
+        kwargs=kwargs,
+        dynamo=True,
+        dynamic_shapes=_dynamic_batch(module, inputs),
+        input_names=["input"] if single_input else None,
+        output_names=["output"] if isinstance(output, torch.Tensor) else None,
+        verbose=False,
+    )
+
+
+def export_weights(module: LightningModule, recipe: dict[str, Any], out_path: Path) -> Path:
+    """The module's ``state_dict`` at ``out_path`` (``torch.save``) and its recipe at ``<out>.json``."""
+    torch.save(module.state_dict(), out_path)
+    out_path.with_suffix(".json").write_text(json.dumps(recipe, indent=2) + "\n")
+    return out_path
+
+
+def _readable(path: Path) -> None:
+    # safetensors writes 0600; an export is meant to be shared like any file this user writes
+    mask = os.umask(0)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
+
+
+@contextmanager
+def _quiet_exporters() -> Iterator[None]:
+    """For this call only: the ONNX exporter's "torchvision is not installed. Skipping torchvision::nms" (one line
+    per torchvision op it would register) and torch's LeafSpec deprecation warning, advice to their developers."""
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
+            yield
+    finally:
+        registration.setLevel(level)
+
+
+def export(
+    ckpt_path: str | Path,
+    out_dir: str | Path,
+    formats: tuple[str, ...] = FORMATS,
+    example: Any = None,
+    name: str = "model",
+    say: Callable[[str], None] = print,
+    config_path: str | Path | None = None,
+) -> list[Path]:
+    """Writes ``out_dir/<name>.<format>`` for each format and returns the paths written (``model.onnx.data``
+    too, when the ONNX exporter puts the weights there).
+
+    ``example``: an input for tracing (``onnx``, ``pt2``) as ``example_input_array`` is given; ``None``: see the
+    module docstring. ``say`` gets one line: what ``forward`` was traced on. Checks every target before writing
+    any: an existing file raises ``FileExistsError``. ``config_path``: a config naming ``model`` (and ``data``), for
+    a checkpoint outside a run folder (one plain Lightning wrote).
+    """
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"unknown export format {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+    out_dir = Path(out_dir)
+    targets = {fmt: out_dir / f"{name}.{fmt}" for fmt in formats}
+    beside = [out_dir / f"{name}.json"] if "pth" in formats else []  # the .pth's recipe
+    beside += [out_dir / f"{name}.onnx.data"] if "onnx" in formats else []
+    clashes = [p for p in [*targets.values(), *beside] if p.exists()]
+    if clashes:
+        raise FileExistsError(f"{clashes[0]} exists; choose another --out (exports never overwrite)")
+    module, recipe, config = load_checkpoint_module(ckpt_path, config_path)
+    class_path = recipe["class_path"]
+    traced = [fmt for fmt in formats if fmt in ("onnx", "pt2")]
+    inputs: Inputs = ((), {})
+    output = None
+    if traced:
+        if example is not None:
+            module.example_input_array = example
+        inputs, source = example_inputs(module, config)
+        say(f"Tracing forward for {'/'.join(traced)} on {source}")
+        output = _check_traceable(module, inputs, "/".join(traced), class_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fmt, path in targets.items():
+        try:
+            with _quiet_exporters():
+                if fmt == "safetensors":
+                    save_net(module, class_path, recipe["init_args"], path)
+                    _readable(path)
+                elif fmt == "pth":
+                    export_weights(module, recipe, path)
+                elif fmt == "pt2":
+                    _export_program(module, inputs, path)
+                else:
+                    _export_onnx(module, inputs, output, path)
+        except OSError:
+            raise
+        except Exception as error:  # torch's exporters raise many types, each with pages of advice
+            path.unlink(missing_ok=True)
+            raise ValueError(f"{fmt} export of {class_path} failed: {_reason(error)}") from None
+        written.append(path)
+        if fmt == "onnx" and (data := path.with_name(f"{path.name}.data")).exists():
+            written.append(data)
+    return written

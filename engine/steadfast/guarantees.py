@@ -1,0 +1,143 @@
+"""The one line a run starts with: where it writes, what it resumed from, and which guarantee user code opted out of."""
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import CombinedLoader
+
+from steadfast.checkpoint_policy import CheckpointPolicy
+from steadfast.loaders import ResumableDataLoader, ResumableSampler
+from steadfast.resume import ExactResume
+from steadfast.runs import RunPlan
+from steadfast.user_loaders import UserLoaders, saves_its_state
+
+
+class Guarantees(Callback):
+    """Rank 0 prints, when training starts, e.g.
+    ``Run runs/digits/version_3 (continues from step 50 of runs/digits/version_3/checkpoints/last.ckpt) | 2 x cuda |
+    exact resume: yes, also mid-epoch | logs: TensorBoard``
+    and after ``opts out:`` each guarantee the configuration or user code gives up, with the reason.
+    """
+
+    def __init__(self, plan: RunPlan, unknown_loggers: list[str], policy: CheckpointPolicy) -> None:
+        self.plan, self.unknown_loggers, self.policy = plan, unknown_loggers, policy
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            print(self.line(trainer), flush=True)
+
+    # validate/test/predict: where their results go and which weights they evaluate, in one line too, e.g.
+    # ``Run runs/digits/version_4 (test of runs/digits/version_3/checkpoints/last.ckpt, step 50) | 1 x cpu | logs: ...``
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._evaluation_line(trainer, "validate")
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._evaluation_line(trainer, "test")
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._evaluation_line(trainer, "predict")
+
+    def _evaluation_line(self, trainer: L.Trainer, stage: str) -> None:
+        if not trainer.is_global_zero:
+            return
+        plan, path = self.plan, trainer.ckpt_path  # the file this evaluation loaded: --ckpt_path, or test after fit's
+        if path is not None and plan.resumed_from is not None and Path(path) == Path(plan.resumed_from):
+            weights = f"{path}, step {plan.global_step}"
+        elif path is not None:
+            weights = str(path)
+        elif trainer.global_step:  # test after a fit that kept no best checkpoint
+            weights = f"the weights fit ended with, step {trainer.global_step}"
+        else:
+            weights = "untrained weights"
+        notes = _loader_notes(trainer).get("val" if stage == "validate" else stage, [])
+        print(
+            f"Run {trainer.default_root_dir} ({stage} of {weights}) | {self._ranks(trainer)} | logs: "
+            f"{self._logs(trainer)}" + (" | opts out: " + "; ".join(notes) if notes else ""),
+            flush=True,
+        )
+
+    @staticmethod
+    def _ranks(trainer: L.Trainer) -> str:
+        return f"{trainer.world_size} x {trainer.strategy.root_device.type}"  # Lightning's "GPU available" line
+
+    def _logs(self, trainer: L.Trainer) -> str:
+        loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]  # fast_dev_run's
+        logs = ", ".join(type(logger).__name__ for logger in loggers) or "none"
+        held = [type(lg).__name__ for lg in loggers if not isinstance(lg, (TensorBoardLogger, CSVLogger))]
+        if held:
+            logs += f" ({', '.join(held)}: values handed over at each checkpoint)"
+        return logs
+
+    def line(self, trainer: L.Trainer) -> str:
+        plan = self.plan
+        if plan.continues:
+            start = f"continues from step {plan.global_step} of {plan.resumed_from}"
+        elif plan.resumed_from is not None:
+            start = f"new version, from {plan.resumed_from} (step {plan.global_step})"
+        else:
+            start = "fresh"
+        out: list[str] = []
+        checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        if not checkpoints:
+            out.append("checkpointing is off: nothing to resume from")
+        loaders = CombinedLoader(trainer.train_dataloader).flattened if trainer.train_dataloader is not None else []
+        notes = _loader_notes(trainer)
+        out += notes.get("train", [])
+        if any(not saves_its_state(dl) for dl in loaders) and not notes.get("train"):
+            out.append("a train loader not from a hook (given to fit): a mid-epoch resume restarts that epoch's data")
+        elif any(isinstance(dl, ResumableDataLoader) and type(dl.sampler) is not ResumableSampler for dl in loaders):
+            out.append("overfit_batches: a mid-epoch resume loads the consumed batches again to skip them")
+        out += notes.get("val", [])  # built by now unless the sanity check is off
+        resume = next((c for c in trainer.callbacks if isinstance(c, ExactResume)), None)
+        out += resume.notes(trainer, trainer.lightning_module) if resume is not None else []
+        if not torch.are_deterministic_algorithms_enabled() and trainer.strategy.root_device.type == "cuda":
+            out.append("deterministic is off: nondeterministic CUDA kernels, so a resume is close, not bitwise equal")
+        elif torch.is_deterministic_algorithms_warn_only_enabled() and trainer.strategy.root_device.type == "cuda":
+            out.append(
+                "deterministic: warn: ops with no deterministic CUDA kernel (each named once in a warning) run "
+                "nondeterministically, so a resume through them is close, not bitwise equal"
+            )
+        if isinstance(trainer.strategy, ModelParallelStrategy) and trainer.world_size > 1:
+            out.append("sharded: each rank evaluates a padded share, so a few validation samples count twice")
+        out += [
+            f"logger {name}: unknown to the engine, a resume starts a new run in it" for name in self.unknown_loggers
+        ]
+        exact = "yes, also mid-epoch" if not out else "see opts out"
+        elastic = f" | elastic: {resume.elastic_note}" if resume is not None and resume.elastic_note else ""
+        line = (
+            f"Run {trainer.default_root_dir} ({start}) | {self._ranks(trainer)} | exact resume: {exact}{elastic}"
+            f" | logs: {self._logs(trainer)}"
+        )
+        off = self.policy.off(trainer)
+        line += " | opts out: " + "; ".join(out) if out else ""
+        return line + (" | off: " + "; ".join(off) if off else "") + speed_switches(trainer)
+
+
+def speed_switches(trainer: L.Trainer) -> str:
+    """`` | speed: ...``, the speed switches on in this run that change more than the loop (each set for the run and
+    undone after: ``steadfast.run_scope``, ``host_memory``); empty when none is."""
+    from steadfast import host_memory, run_scope
+    from steadfast.checkpoint_io import AtomicCheckpointIO
+    from steadfast.compat_logging import moves_skipped
+    from steadfast.speed import SpeedSwitch
+
+    on = ["malloc keeps freed memory"] if host_memory.in_force else []
+    on += ["heap frozen (gc)"] if run_scope.heap_frozen() else []
+    on += ["self.log skips moves"] if moves_skipped() else []
+    io = trainer.strategy.checkpoint_io
+    if isinstance(io, AtomicCheckpointIO):
+        on += ["saves in the background"] if io.background else []
+        on += ["no CRC-32 in checkpoints"] if not io.crc32 else []
+    on += [callback.describe() for callback in trainer.callbacks if isinstance(callback, SpeedSwitch)]
+    return " | speed: " + ", ".join(on) if on else ""
+
+
+def _loader_notes(trainer: L.Trainer) -> dict[str, list[str]]:
+    """Per split, the guarantees the loaders that ``UserLoaders`` left alone give up."""
+    return next((c.notes for c in trainer.callbacks if isinstance(c, UserLoaders)), {})  # type: ignore[attr-defined]

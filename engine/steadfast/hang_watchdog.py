@@ -1,0 +1,290 @@
+"""A hung rank in one line: when no rank of a DDP run has made progress for ``run.hang_timeout`` seconds (300 by
+default, well under the 30 minutes after which a collective gives up; ``null``: never), the run ends as it does for a
+dead rank (``steadfast.rank_failures``): one line naming the rank that stopped, what it was doing (its global
+step), the intact checkpoint and the resume command, exit code 1, every rank's process ended (a stopped one too:
+SIGKILL ends it)::
+
+    error: rank 1 made no progress for 11 s while training at global step 6 (its process stopped running: SIGSTOP,
+    a debugger, or a call that holds Python's lock; run.hang_timeout 10 s); the other ranks stopped. Newest complete
+    checkpoint, intact: ... (step 4). Resume: python -m project fit ... --ckpt_path last
+
+Progress is a training batch (its start, its backward, its end), a validation, test or predict batch, or the start
+of a checkpoint save, on any rank. A collective cannot tell about a peer that does not answer, so each rank keeps a
+heartbeat beside it: a few bytes of a file in the temporary folder, mapped into its memory. The hooks store the time
+and the global step there (a store into memory: no system call, no tensor read, no device sync), and the rank's
+watchdog thread stores the time it last ran, 5 times a second. Rank 0 (the process Lightning's launcher started the
+others from) reads every rank's heartbeat once a second. When no rank has progressed for ``hang_timeout``, it names
+
+- a rank whose watchdog stopped too: its whole process does not run (SIGSTOP, a debugger, a call that never lets go
+  of Python's lock);
+- else the rank whose progress stopped first: the others went on to their next collective and wait there for it.
+
+Rank 0's own watchdog reports rank 0 when its main thread is the one stuck; the other ranks watch rank 0's heartbeat
+and the lowest of them reports when rank 0's whole process is stopped. A watchdog that finds it did not run itself
+for a while (the whole run stopped by Ctrl-Z, then continued) counts again from then.
+
+The watch starts once the first batch has ended (the sanity check, loading a checkpoint and a first batch that
+compiles take as long as they take) and ends with the loop (the end of fit's last write takes as long as it takes).
+A later step that blocks longer than ``hang_timeout`` counts as a hang: a recompile, a save that waits for a
+background write still in flight. Under torchrun or SLURM this stays out of the way, as ``rank_failures`` does.
+"""
+
+import contextlib
+import mmap
+import os
+import re
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from steadfast.rank_failures import launched_by_lightning
+
+WHAT = ("starting", "training", "validating", "saving a checkpoint", "testing", "predicting")
+TRAINING, VALIDATING, SAVING, TESTING, PREDICTING = range(1, 6)
+# One heartbeat: the time its watchdog last ran, the time of its last progress (time.monotonic(): one clock for
+# every process of a machine), the global step and what it was doing then, its process and its global rank.
+CELL = struct.Struct("<ddqqqq")
+ALIVE, BEAT = struct.Struct("<d"), struct.Struct("<dqq")  # at offsets 0 and 8
+FROZEN_S = 5.0  # a watchdog that has not run for this long: its process does not run
+TICK_S, CHECK_S = 0.2, 1.0
+PREFIX = "project-heartbeat"
+
+
+@dataclass(frozen=True)
+class Beat:
+    alive: float
+    progress: float
+    step: int
+    what: int
+    pid: int
+    rank: int
+
+
+def heartbeat_path(launcher: int, local: int) -> Path:
+    """The heartbeat of local rank ``local`` of the ranks launched by process ``launcher``."""
+    return Path(tempfile.gettempdir()) / f"{PREFIX}-{launcher}-{local}"
+
+
+def read_beat(path: Path) -> Beat | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return Beat(*CELL.unpack(data)) if len(data) == CELL.size else None
+
+
+class Heartbeat:
+    """This rank's heartbeat, mapped into memory: ``beat`` and ``alive`` store into it, the others read the file."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        self.path = path
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w+b") as f:  # whole before it has its name: a reader sees all of it or none
+            f.write(CELL.pack(time.monotonic(), 0.0, 0, 0, os.getpid(), rank))
+            f.flush()
+            self._cell = mmap.mmap(f.fileno(), CELL.size)
+        os.replace(tmp, path)
+
+    def beat(self, step: int, what: int) -> None:
+        BEAT.pack_into(self._cell, 8, time.monotonic(), step, what)
+
+    def alive(self) -> None:
+        ALIVE.pack_into(self._cell, 0, time.monotonic())
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self._cell.close()
+
+
+@dataclass(frozen=True)
+class Stall:
+    """What to report: the rank to name, how it stopped, and the other ranks' processes."""
+
+    rank: int
+    how: str
+    pids: list[int]
+
+
+def stalled(beats: dict[int, Beat | None], now: float, since: float, timeout: float) -> tuple[int, float, set]:
+    """When no rank has progressed for ``timeout`` s (counted from ``since`` at the earliest): the local rank to name,
+    its seconds without progress and the local ranks whose process does not run; else ``(-1, 0, set())``."""
+    frozen_after = min(FROZEN_S, timeout / 2)
+    live = {i: b for i, b in beats.items() if b is not None and b.alive >= since}  # else: not this run's, or stopped
+    last = {i: max(b.progress, since) if i in live else since for i, b in beats.items()}
+    if now - max(last.values()) < timeout:
+        return -1, 0.0, set()
+    frozen = {i for i in beats if i not in live or now - live[i].alive > frozen_after}
+    culprit = min(frozen) if frozen else min(last, key=lambda i: (last[i], i))
+    return culprit, now - last[culprit], frozen
+
+
+class HangWatchdog(Callback):
+    """Ends a Lightning-launched DDP run whose ranks all stopped progressing, in the one line described above.
+
+    Args:
+        timeout: Seconds without progress on any rank; ``None``: never (``run.hang_timeout``).
+        report: Prints the line for a rank and ends the run (``RankFailures.report``): ``report(rank, how, pids)``
+            with ``pids`` the other ranks' processes.
+    """
+
+    def __init__(self, timeout: float | None, report: Callable[[int, str, list[int]], None]) -> None:
+        self.timeout, self.report = timeout, report
+        self.heart: Heartbeat | None = None
+        self.paths: list[Path] = []
+        self.local = 0
+        self.armed = False
+        self._since = self._ticked = self._checked = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.timeout is None or not launched_by_lightning(trainer) or self._thread is not None:
+            return
+        self.local = trainer.local_rank
+        launcher = os.getpid() if self.local == 0 else os.getppid()  # the launcher is the other ranks' parent
+        if self.local == 0:
+            remove_heartbeats_of_ended_runs()
+        self.paths = [heartbeat_path(launcher, i) for i in range(trainer.num_devices)]
+        try:
+            self.heart = Heartbeat(self.paths[self.local], trainer.global_rank)
+        except OSError as error:  # the run goes on, unwatched, as it would without a timeout
+            rank_zero_warn(f"run.hang_timeout: no heartbeat in {self.paths[0].parent} ({error}); hangs are not watched")
+            return
+        self.armed = False
+        self._since = self._ticked = self._checked = time.monotonic()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="hang-watchdog")
+        self._thread.start()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._end()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._end()  # Lightning skips teardown after a failure; a preemption's save takes as long as it takes
+
+    def _end(self) -> None:
+        self.armed = False
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+        if self.heart is not None:
+            self.heart.close()
+            self.heart = None
+
+    # Progress: a few hooks of every loop, each a store into the heartbeat
+    def _beat(self, trainer: L.Trainer, what: int, ended: bool = False) -> None:
+        if self.heart is not None:
+            self.heart.beat(trainer.global_step, what)
+            if ended and not self.armed and (what == TRAINING or trainer.state.fn != "fit"):
+                self._since, self.armed = time.monotonic(), True  # not the sanity check's batches, in fit
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
+        self._beat(trainer, TRAINING)
+
+    def on_before_backward(self, trainer: L.Trainer, *_: object) -> None:
+        self._beat(trainer, TRAINING)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_: object) -> None:
+        self._beat(trainer, TRAINING, ended=True)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *_: object) -> None:
+        self._beat(trainer, VALIDATING)
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *_: object) -> None:
+        self._beat(trainer, VALIDATING, ended=True)
+
+    def on_test_batch_start(self, trainer: L.Trainer, *_: object) -> None:
+        self._beat(trainer, TESTING)
+
+    def on_test_batch_end(self, trainer: L.Trainer, *_: object) -> None:
+        self._beat(trainer, TESTING, ended=True)
+
+    def on_predict_batch_start(self, trainer: L.Trainer, *_: object) -> None:
+        self._beat(trainer, PREDICTING)
+
+    def on_predict_batch_end(self, trainer: L.Trainer, *_: object) -> None:
+        self._beat(trainer, PREDICTING, ended=True)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *_: object) -> None:
+        self._beat(trainer, SAVING)
+
+    # The loop's end: what follows (the last write, the process group's end) takes as long as it takes
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.armed = False
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self.armed = False
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.armed = False
+
+    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.armed = False
+
+    def _watch(self) -> None:
+        while not self._stop.wait(TICK_S):
+            stall = self._tick()
+            if stall is not None and not self._stop.is_set():
+                for path in self.paths:  # the report ends every rank's process: nothing would remove them
+                    path.unlink(missing_ok=True)
+                self.report(stall.rank, stall.how, stall.pids)
+
+    def _tick(self) -> Stall | None:
+        now = time.monotonic()
+        if now - self._ticked > FROZEN_S:
+            self._since = now  # this process did not run either (Ctrl-Z, a suspend): count from now
+        self._ticked = now
+        heart = self.heart
+        if heart is None:
+            return None
+        heart.alive()
+        if not self.armed or self.timeout is None or now - self._checked < CHECK_S:
+            return None
+        self._checked = now
+        beats = {i: read_beat(path) for i, path in enumerate(self.paths)}
+        culprit, quiet, frozen = stalled(beats, now, self._since, self.timeout)
+        # rank 0 reports; the lowest other rank whose process runs reports only a rank 0 that does not run itself
+        if culprit < 0 or (self.local != 0 and not (culprit == 0 and frozen >= set(range(self.local)))):
+            return None
+        beat = beats[culprit]
+        step, what = (beat.step, WHAT[beat.what]) if beat is not None and beat.progress > 0 else (0, WHAT[0])
+        cause = (
+            "its process stopped running: SIGSTOP, a debugger, or a call that holds Python's lock"
+            if culprit in frozen
+            else "its main thread is stuck"
+        )
+        how = (
+            f"made no progress for {quiet:.0f} s while {what} at global step {step} ({cause}; run.hang_timeout "
+            f"{self.timeout:g} s)"
+        )
+        pids = [b.pid for i, b in beats.items() if b is not None and i != self.local]
+        return Stall(beat.rank if beat is not None else culprit, how, pids)
+
+
+def remove_heartbeats_of_ended_runs() -> None:
+    """The heartbeats a run whose rank 0 was killed left in the temporary folder."""
+    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*"):
+        match = re.fullmatch(rf"{PREFIX}-(\d+)-\d+(?:\.\d+\.tmp)?", path.name)
+        if match and not _running(int(match[1])):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True

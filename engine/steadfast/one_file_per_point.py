@@ -1,0 +1,60 @@
+"""The callback that tells the background checkpoint writer (``steadfast.checkpoint_io``) when training moves on
+from a point, so that the saves of that point are one file under their names."""
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from steadfast.checkpoint_files import FilePath
+from steadfast.checkpoint_io import AtomicCheckpointIO
+from steadfast.compat import count_pending_saves_as_files, restore_file_exists
+
+
+class OneFilePerPoint(Callback):
+    """Tells the template's checkpoint writer (``AtomicCheckpointIO``) when training moves on from a point, so that
+    the saves of that point (the best-k, every-2-epochs and ``last.ckpt`` files of one validation) are written as
+    one file under their names, holding the state after the last of them. Held between a validation's end and the
+    next training batch (or epoch start, or the end of ``fit``): a kill in between loses that point's files, as a
+    kill during their write would.
+
+    A name whose save is held or still being written counts as taken when a ``ModelCheckpoint`` asks whether its
+    file exists (``file_exists``), as it would once on disk: two of them with the same file name at one point get
+    ``name`` and ``name-v1``, Lightning's way, instead of one file that the first one's top k would delete from
+    under the other.
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AtomicCheckpointIO) and stage == "fit":
+            io.hold_points = True
+            for callback in trainer.checkpoint_callbacks:
+                if isinstance(callback, ModelCheckpoint):
+                    count_pending_saves_as_files(callback, _pending_write(io))
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close(trainer)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._close(trainer)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._close(trainer)
+        for callback in trainer.checkpoint_callbacks:
+            restore_file_exists(callback)  # the class's own again
+
+    def _close(self, trainer: L.Trainer) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AtomicCheckpointIO):
+            io.close_point()
+
+
+def _pending_write(io: AtomicCheckpointIO) -> Callable[[FilePath, L.Trainer], bool]:
+    def pending(filepath: FilePath, trainer: L.Trainer) -> bool:
+        # rank 0 alone writes; every rank takes the same decision (one more collective, at a save only)
+        return trainer.strategy.reduce_boolean_decision(trainer.is_global_zero and io.claims(filepath), all=False)
+
+    return pending

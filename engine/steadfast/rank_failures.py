@@ -1,0 +1,232 @@
+"""A dead rank in one line: which rank failed and how, the checkpoint to resume from, and the command that does.
+
+Under Lightning's ``ddp`` launcher rank 0 is the process the user started and every other rank is its child. When
+one rank dies (a signal such as ``kill -9`` or the out-of-memory killer, or an exception on that rank only), the
+others fail inside their next collective (gloo: "Connection reset by peer") and each would print a traceback wall
+that names neither the dead rank nor what to do. Here a survivor's ``on_exception`` recognises that a peer is gone,
+and one of them (rank 0, or the lowest surviving rank when rank 0 is the one that died) prints instead::
+
+    error: rank 1 was killed by SIGKILL (kill -9, or out of memory); the other ranks stopped. Newest complete
+    checkpoint, intact: runs/digits/version_0/checkpoints/last.ckpt (step 6). Resume: python -m project fit ...
+    --ckpt_path last
+
+(one line) and exits with code 1 at once. A rank whose own code raised keeps its traceback (the cause) and leaves
+its exception's first line in ``<run>/.failures/`` for the reporter. ``PROJECT_FAILURE_REPORT=FILE`` also writes
+the line to FILE (``scripts/train_resilient.sh`` repeats it when it restarts). Under torchrun or SLURM the
+launcher reports failed ranks itself and this stays out of the way. Tested with 2 ranks on CPU (gloo); with more,
+when rank 0 dies each survivor prints the line. A rank that hangs rather than dies is reported through ``report``
+too (``steadfast.hang_watchdog``).
+
+Lightning's launcher has a watcher of its own, ``_ChildProcessObserver``: every 5 s it polls the ranks, and when one
+failed it SIGKILLs all of them and rank 0 with them, at once, without a word. Rank 0 sees a death within 0.2 s, but
+printing the line takes a moment too (finding the intact checkpoint): in 1 of 23 kills of rank 1 during a save
+Lightning's poll fell in that moment and the run ended with exit code 137 and only Lightning's message. Here its kill
+first waits for this report (``compat.child_observer_waits``), which ends the process itself; when this reports
+nothing (a deliberate stop), Lightning's kill follows ``HOLD_S`` later.
+"""
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.environments import LightningEnvironment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from steadfast.compat import child_observer_waits, launched_children
+from steadfast.compat_torch import PEER_GONE
+from steadfast.config import SWITCHABLE, entry
+from steadfast.run_checkpoints import find_last_checkpoint
+from steadfast.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+
+REPORT_ENV = "PROJECT_FAILURE_REPORT"
+NOTES = ".failures"  # in the run folder: "<rank>.txt" holds the first line of that rank's own exception
+# Stops every rank makes on purpose (Ctrl-C, preemption, the NaN guard's SystemExit): no rank failed.
+DELIBERATE = (KeyboardInterrupt, SystemExit, SIGTERMException)
+STOP_CODES = (PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE)
+WAIT_S = 5.0  # how long a survivor waits to learn which rank died and how
+HOLD_S = WAIT_S + 5.0  # how long Lightning's observer waits for this report before it kills every rank
+
+
+def is_peer_gone(error: BaseException) -> bool:
+    """The error a collective raises when another rank's process is gone (gloo), not an error of this rank."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(s in text for s in PEER_GONE)
+
+
+def resume_command(argv: list[str]) -> str:
+    """``python -m project fit ARGS --ckpt_path last`` from this process's arguments, without its ``--ckpt_path``
+    and without the ``--model null`` / ``--data null`` the engine put before a class (``start_from_class_defaults``):
+    the command the user typed."""
+    args, skip = [], False
+    for i, arg in enumerate(argv[1:], start=1):
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path" or (arg in SWITCHABLE and argv[i + 1 : i + 2] == ["null"]):
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            args.append(arg)
+    if args and args[0] in ("validate", "test", "predict"):
+        args[0] = "fit"
+    return shlex.join([*entry().command.split(), *args, "--ckpt_path", "last"])
+
+
+def launched_by_lightning(trainer: L.Trainer) -> bool:
+    """A multi-process run whose ranks Lightning's ``ddp`` launcher started (not torchrun/SLURM): the other ranks of
+    this machine are its local rank 0's children."""
+    return trainer.world_size > 1 and type(trainer.strategy.cluster_environment) is LightningEnvironment
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+class RankFailures(Callback):
+    """Turns the death of one rank of a Lightning-launched DDP run into the one-line report described above."""
+
+    def __init__(self) -> None:
+        self.rank, self.parent, self.active = 0, 0, False
+        self.notes: Path | None = None
+        self.family = Path()
+        self.children: list = []
+        self._watcher: threading.Thread | None = None
+        self._done = self._own_error = False
+        self._lock = threading.Lock()  # one report per process: the watcher's, on_exception's or a hang's
+        self._settled = threading.Event()  # set once this process reports nothing: Lightning's observer may kill
+        self._undo_observer = lambda: None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.rank = trainer.global_rank
+        # Lightning's launcher (not torchrun/SLURM) started the ranks: the others are rank 0's children
+        self.active = launched_by_lightning(trainer)
+        self.parent = os.getppid()
+        self.children = launched_children(trainer)
+        self.notes = Path(trainer.default_root_dir) / NOTES
+        self.family = Path(trainer.default_root_dir).parent
+        if self.active and self.rank == 0 and self.notes.is_dir():
+            for old in self.notes.glob("*.txt"):  # an earlier failure of this run folder
+                old.unlink(missing_ok=True)
+        if self.active and self.children:
+            self._settled.clear()
+            self._undo_observer = child_observer_waits(trainer, lambda: self._settled.wait(HOLD_S))
+        if self.active and self._watcher is None:
+            self._done = False
+            # Not only the next collective's error: rank 0 may be far from one (and Lightning's own observer
+            # SIGKILLs it, silently, within 5 s of a child's death), and NCCL reports a dead peer only at its timeout.
+            # So rank 0 watches its children, and the others watch rank 0, their parent.
+            self._watcher = threading.Thread(target=self._watch, daemon=True, name="rank-failures")
+            self._watcher.start()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._end()  # before DestroyProcessGroup's barrier (this callback comes first): rank 0 may exit next
+
+    def _end(self) -> None:
+        """Nothing to report: the watcher stops, and Lightning's observer is as it was."""
+        self._done = True
+        self._settled.set()
+        self._undo_observer()
+        self._undo_observer = lambda: None
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join()
+
+    def _watch(self) -> None:
+        while not self._done:
+            for i, proc in enumerate(self.children):
+                code = proc.poll()
+                # a signal, or an exception this rank left a note for; not a deliberate exit (NaN stop, preemption)
+                if code and code not in STOP_CODES and not self._own_error and (code < 0 or self._note(i + 1)):
+                    self.report(i + 1, self._how(i + 1, code))
+            if self.rank != 0 and os.getppid() != self.parent and not self._done and not self._own_error:
+                self.report(0, self._rank0_how())
+            time.sleep(0.2)
+
+    def _rank0_how(self) -> str:
+        note = self._note(0)  # rank 0 is not this process's child: its exit status is its shell's to see
+        return f"raised {note}" if note else "was killed by a signal (kill -9, or out of memory)"
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if not self.active or isinstance(exception, DELIBERATE):
+            self._end()  # every rank stops here on purpose; a rank exiting first is no failure
+            return
+        if not is_peer_gone(exception):
+            self._own_error = True
+            self._leave_note(exception)  # this rank's own error: its traceback follows, the reporter names it
+            self._settled.set()
+            return
+        deadline = time.monotonic() + WAIT_S
+        if self.rank == 0:
+            while time.monotonic() < deadline and not any(p.poll() for p in self.children):
+                time.sleep(0.05)
+            failed = [(i + 1, p.returncode) for i, p in enumerate(self.children) if p.returncode]
+            if not failed:
+                self._settled.set()
+                return  # no child is gone: not a dead peer after all; the traceback stays
+            dead, code = failed[0]
+            self.report(dead, self._how(dead, code))
+        else:
+            # rank 0 is the parent: when it is gone this process is re-parented
+            while time.monotonic() < deadline and os.getppid() == self.parent and not self._note(0):
+                time.sleep(0.05)
+            if os.getppid() == self.parent and not self._note(0):
+                return  # rank 0 lives: it reports (another rank died)
+            while time.monotonic() < deadline and os.getppid() == self.parent:
+                time.sleep(0.05)  # rank 0 raised; let its traceback come first
+            self.report(0, self._rank0_how())
+
+    def _leave_note(self, exception: BaseException) -> None:
+        if self.notes is not None:
+            self.notes.mkdir(parents=True, exist_ok=True)
+            (self.notes / f"{self.rank}.txt").write_text(_first_line(exception))
+
+    def _note(self, rank: int) -> str | None:
+        path = self.notes / f"{rank}.txt" if self.notes is not None else None
+        return path.read_text().strip() if path is not None and path.is_file() else None
+
+    def _how(self, rank: int, code: int) -> str:
+        if code < 0:
+            name = signal.Signals(-code).name
+            hint = " (kill -9, or out of memory)" if -code == signal.SIGKILL else ""
+            return f"was killed by {name}{hint}"
+        note = self._note(rank)
+        return f"raised {note}" if note else f"exited with code {code}"
+
+    def report(self, rank: int, how: str, others: Iterable[int] = ()) -> None:
+        """Prints the line for ``rank`` ("rank 1 ``how``; ...") and ends the run: this process, the ranks it started
+        and the processes ``others`` (other ranks, when this one did not start them). Thread-safe; never returns."""
+        if not self._lock.acquire(blocking=False):
+            time.sleep(60)  # the other thread is reporting and ends the process
+        for proc in self.children:  # the other ranks, still waiting in a collective (or stopped: SIGKILL ends it)
+            if proc.poll() is None:
+                proc.kill()
+        found = find_last_checkpoint(self.family)
+        if found is None:
+            saved = "No checkpoint was written yet."
+        else:
+            path, step = found
+            saved = f"Newest complete checkpoint, intact: {path} (step {step})."
+        line = f"error: rank {rank} {how}; the other ranks stopped. {saved} Resume: {resume_command(sys.argv)}"
+        sys.stdout.flush()
+        print(line, file=sys.stderr, flush=True)
+        if os.environ.get(REPORT_ENV):  # for a restarting script: what happened, without the command it runs itself
+            Path(os.environ[REPORT_ENV]).write_text(f"rank {rank} {how}; {saved[0].lower()}{saved[1:-1]}\n")
+        own = {proc.pid for proc in self.children}
+        for pid in others:  # after the line: the shell returns when rank 0 ends, and this may be its child
+            if pid not in own and pid != os.getpid():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        for proc in self.children:  # reaped: no process of the run is left, not even a zombie
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        # At once: unwinding would print the gloo traceback of this rank, and a child still in a collective could
+        # wait; exit code 1 like any failed run.
+        os._exit(1)

@@ -1,0 +1,276 @@
+"""What a bit-exact resume needs beyond Lightning's checkpoint: every rank's RNG states, the states of the module's
+metrics mid-epoch, a fixed number of compute threads, logs flushed at saves."""
+
+import math
+import random
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback
+from torchmetrics import Metric
+
+from steadfast.compat import (
+    reopen_an_epoch_stopped_mid_way,
+    rescale_batch_progress,
+    start_the_epoch_lightning_skipped,
+)
+from steadfast.elastic import Shape, epoch_note, has_batch_norm
+from steadfast.sharded import ShardedStrategy
+
+
+class ExactResume(Callback):
+    """Puts in each checkpoint what Lightning leaves out and a bit-exact resume needs.
+
+    - Every rank's torch, CUDA, numpy and Python RNG states, restored on resume.
+    - Every rank's states of the module's torchmetrics ``Metric``s that training has updated (an epoch's
+      ``train/acc`` so far), set again when the resumed run continues that epoch mid-way, so the epoch's value is
+      the uninterrupted run's. Kept beside the module's ``state_dict``, which stays the weights alone. Under more
+      than one rank a metric with list states (e.g. ``AUROC``'s) is not kept: its epoch value after a mid-epoch
+      resume covers the resumed part only.
+    - The number of CPU compute threads, fixed for the run and checked on resume. A CPU matmul splits its sums
+      over the threads it runs on, so the same step on 1 and on 2 threads differs in the last bits (here: the
+      last layer's weight gradient, from the first step on). Until ``torch.set_num_threads`` is called, MKL may
+      also run a call on fewer threads than asked (MKL_DYNAMIC; ``MKL_VERBOSE=1`` prints ``Dyn:1``); setting the
+      count PyTorch already uses turns that off (``Dyn:0``) and changes nothing else.
+    - The loggers' buffers are flushed (at each checkpoint, and once Lightning has logged that step), so no point
+      logged before the checkpoint is lost if the process is killed after it (the resumed run's ``purge_step``
+      drops those logged after it).
+
+    Lightning checkpoints hold no RNG state, so dropout masks (and anything else drawn from the global
+    generators) differ after a resume. ``state_dict`` runs on every rank while a checkpoint is assembled, so the
+    states are gathered there; rank 0 writes them all. They are set again in ``on_train_start``: after model
+    init, the sanity check and the data setup (which all draw or may draw), right before the first batch.
+
+    It also saves the run's shape (ranks, per-device batch, accumulation; ``steadfast.elastic``) and the samples
+    of one of its epochs: a resume on another number of ranks keeps the global batch (``elastic.global_batch`` sets
+    ``elastic_note``, ``resized``), rewrites the loop's micro-batch counts here, and ``notes`` says what cannot follow
+    to the start line (an epoch that ``limit_train_batches`` now ends at other samples among them).
+    """
+
+    def __init__(self) -> None:
+        self._trainer: L.Trainer | None = None
+        self._to_restore: list[dict[str, torch.Tensor]] | None = None
+        self.shape: Shape | None = None  # this run's, set where its train loader is built
+        self.saved_shape: Shape | None = None  # the checkpoint's
+        self.saved_epoch_samples: int | None = None  # what an epoch of the checkpoint's run trained, over all ranks
+        self.saved_world: int | None = None  # ranks whose RNG states the checkpoint holds
+        self.elastic_note: str | None = None
+        self.resized: tuple[int, int] | None = None  # samples of one micro-batch over all ranks: checkpoint's, now
+        self._flush_before_next_batch = False
+        self._epoch_started: int | None = None
+        self._metrics: dict[str, Metric] = {}
+        self._not_trained: dict[str, Metric] = {}  # not updated by a training step yet: validation's, or unused
+        self._metrics_to_restore: list[dict[str, dict[str, Any]]] | None = None
+        self._loaded = False  # the checkpoint resumed from held this callback's state
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        self._metrics = {name: m for name, m in pl_module.named_modules() if isinstance(m, Metric)}
+        self._not_trained = dict(self._metrics)
+        self._threads_saved: int | None = None
+        # The count stays as it is; MKL stops choosing its own per call (mkl_set_dynamic(false)). The one setting of
+        # the engine that outlives the run: PyTorch cannot turn MKL's own choice back on, and it changes no result.
+        # It is process-wide: DataLoader's pin-memory thread (only with an accelerator) turns it off too when it starts,
+        # at a moment that depends on the loader; set here, before the first loader, that moment changes nothing.
+        torch.set_num_threads(torch.get_num_threads())
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        _flush_loggers(trainer)
+        _flush_each_save(trainer, True)
+        self._flush_before_next_batch = True
+        reopen_an_epoch_stopped_mid_way(checkpoint)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_started = trainer.current_epoch
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == 0 and self._epoch_started != trainer.current_epoch:
+            # Resumed from a checkpoint taken at the previous epoch's last batch end, Lightning 2.6 starts this
+            # epoch without calling on_train_epoch_start: the module's epoch-start work (e.g. resetting train
+            # metrics) would be skipped and the resumed run would differ from the uninterrupted one.
+            start_the_epoch_lightning_skipped(pl_module)
+            self._epoch_started = trainer.current_epoch
+        metrics, self._metrics_to_restore = self._metrics_to_restore, None
+        if metrics is not None and batch_idx > 0:  # mid-epoch; a resume at an epoch's start begins it afresh
+            _set_metric_states(self._metrics, metrics[trainer.global_rank])
+        # Lightning hands a step's values (and an epoch's, train/acc ...) to the loggers after the batch-end and
+        # epoch-end hooks where checkpoints are saved, and a resume from that checkpoint does not log them again:
+        # each went out as it came (flush_each_save), as a kill may come before this hook (while the next batch
+        # loads, or in an earlier callback's hook); out here at the latest.
+        if self._flush_before_next_batch:
+            _flush_loggers(trainer)
+            _flush_each_save(trainer, False)
+            self._flush_before_next_batch = False
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Validation's metrics are reset once it ends, before this hook: what is updated here, training updated.
+        # (Empty after the first steps of most modules: a few property reads per step.)
+        for name in [name for name, metric in self._not_trained.items() if metric.update_called]:
+            del self._not_trained[name]
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        threads = torch.get_num_threads()
+        shape = {"shape": self.shape.as_dict()} if self.shape is not None else {}
+        if self.shape is not None and trainer is not None and trainer.num_training_batches < math.inf:
+            # limit_train_batches counts micro-batches: what an epoch was in samples, for a resume on another shape
+            shape["epoch_samples"] = int(_epoch_samples(trainer, self.shape))
+        trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
+        if trainer is None or trainer.world_size == 1:
+            return {"ranks": [_rng_tensors()], "metrics": [_metric_states(trained)], "threads": threads, **shape}
+        # the same metrics on every rank, so that every rank runs the same gathers
+        flags = torch.tensor([name not in self._not_trained for name in self._metrics], dtype=torch.uint8)
+        device = trainer.strategy.root_device  # NCCL gathers only device tensors
+        anywhere = trainer.strategy.all_gather(flags.to(device)).cpu().amax(0).bool().tolist()
+        trained = {name: m for (name, m), keep in zip(self._metrics.items(), anywhere, strict=True) if keep}
+        trained = {name: m for name, m in trained.items() if all(map(torch.is_tensor, m.metric_state.values()))}
+        mine = {**_rng_tensors(), **{f"metric:{k}": v for k, v in _flat_metric_states(trained).items()}}
+        gathered = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}
+        # clone: a view would be saved with (and set_rng_state would read from) the start of the whole storage
+        ranks = [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]
+        rng = [{k: v for k, v in rank.items() if not k.startswith("metric:")} for rank in ranks]
+        metrics = [
+            _nest({k[len("metric:") :]: v for k, v in rank.items() if k.startswith("metric:")}) for rank in ranks
+        ]
+        return {"ranks": rng, "metrics": metrics, "threads": threads, **shape}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = True
+        self._to_restore = state_dict["ranks"]
+        self._metrics_to_restore = state_dict.get("metrics")  # absent from checkpoints of earlier versions
+        self.saved_world = len(state_dict["ranks"])
+        self.saved_shape = Shape(**state_dict["shape"]) if "shape" in state_dict else None
+        self.saved_epoch_samples = state_dict.get("epoch_samples")
+        self._threads_saved = state_dict.get("threads")  # absent from checkpoints written before it was saved
+
+    def notes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
+        """What of the original run a resume on another number of ranks cannot continue, for the start line."""
+        out = []
+        if trainer.ckpt_path is not None and not self._loaded:
+            out.append(
+                "the checkpoint holds no resume state of the engine's (plain Lightning wrote it): the random streams, "
+                "the data position within the epoch and the epoch's metric states start afresh; weights, optimizer, "
+                "LR schedule and step counters continue"
+            )
+        saved = self._threads_saved
+        if saved is not None and saved != torch.get_num_threads() and trainer.strategy.root_device.type == "cpu":
+            out.append(
+                f"the checkpoint was computed on {saved} CPU thread(s), this run on {torch.get_num_threads()}: a CPU "
+                f"matmul sums in another order, so results differ in the last bits (OMP_NUM_THREADS={saved} on a "
+                "machine with that many cores resumes bit-exact)"
+            )
+        # (under sharding its "Resharded ... from N ranks to M" line says so already)
+        resharded = isinstance(trainer.strategy, ShardedStrategy)
+        if self.saved_world is not None and self.saved_world != trainer.world_size and not resharded:
+            out.append(
+                f"the checkpoint holds the random streams of {self.saved_world} rank(s), this run has "
+                f"{trainer.world_size}: draws from a rank's generators (dropout, augmentation) differ from the "
+                "original run from here on; randomness seeded per sample from (seed, epoch, index) follows"
+            )
+        if self.saved_epoch_samples is not None and self.shape is not None and self.saved_shape != self.shape:
+            samples = _epoch_samples(trainer, self.shape)
+            note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, self.shape)
+            out += [note] if note is not None else []
+        if self.resized is not None and self.resized[0] != self.resized[1] and has_batch_norm(pl_module):
+            before, after = self.resized
+            out.append(
+                f"BatchNorm: its statistics now come from micro-batches of {after} samples over all ranks "
+                f"({before} before), so the run continues close to, not equal to, the original"
+            )
+        return out
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.resized is not None and self.resized[0] != self.resized[1]:
+            rescale_batch_progress(trainer, *self.resized)
+        ranks, self._to_restore = self._to_restore, None
+        if ranks is None:
+            return
+        if len(ranks) != trainer.world_size:  # another number of ranks: the start line says what does not follow
+            self._metrics_to_restore = None  # each rank's share of an epoch's metrics belongs to its old data split
+            return
+        _set_rng_tensors(ranks[trainer.global_rank])
+
+
+def _epoch_samples(trainer: L.Trainer, shape: Shape) -> float:
+    """Samples over all ranks of one training epoch, after ``limit_train_batches`` (``math.inf``: no length)."""
+    return trainer.num_training_batches * shape.world * shape.batch_size
+
+
+def _flush_loggers(trainer: L.Trainer) -> None:
+    for logger in trainer.loggers:
+        if hasattr(logger, "flush"):  # ThrottledTensorBoardLogger: the values it holds back
+            logger.flush()
+        else:
+            logger.save()
+            if hasattr(logger.experiment, "flush"):
+                logger.experiment.flush()
+
+
+def _flush_each_save(trainer: L.Trainer, on: bool) -> None:
+    for logger in trainer.loggers:
+        if hasattr(logger, "flush_each_save"):  # ThrottledTensorBoardLogger
+            logger.flush_each_save = on
+
+
+def _metric_states(metrics: dict[str, Metric]) -> dict[str, dict[str, Any]]:
+    """``{metric name: {state name: tensor, or list of tensors}}``, detached copies on the CPU."""
+
+    def copy(value: Any) -> Any:
+        return [copy(v) for v in value] if isinstance(value, list) else value.detach().cpu().clone()
+
+    return {name: {k: copy(v) for k, v in metric.metric_state.items()} for name, metric in metrics.items()}
+
+
+def _flat_metric_states(metrics: dict[str, Metric]) -> dict[str, torch.Tensor]:
+    return {f"{name}/{k}": v.detach() for name, metric in metrics.items() for k, v in metric.metric_state.items()}
+
+
+def _nest(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    nested: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in flat.items():
+        name, _, state = key.rpartition("/")
+        nested.setdefault(name, {})[state] = value
+    return nested
+
+
+def _set_metric_states(metrics: dict[str, Metric], saved: dict[str, dict[str, Any]]) -> None:
+    for name, states in saved.items():
+        metric = metrics.get(name)
+        if metric is None:  # a module whose metrics changed since the save: it starts them afresh
+            continue
+        for key, value in states.items():
+            moved = [v.to(metric.device) for v in value] if isinstance(value, list) else value.to(metric.device)
+            setattr(metric, key, moved)
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    """The global RNG states as tensors (a ``weights_only`` checkpoint may hold nothing else safely)."""
+    version, py_state, gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    states = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor([version, *py_state], dtype=torch.int64),
+        "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.tensor(np_keys.astype(np.int64)),
+        "numpy_rest": torch.tensor([np_pos, np_has_gauss, np_gauss], dtype=torch.float64),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_tensors(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["torch"].cpu().clone())
+    python = states["python"].tolist()
+    has_gauss, gauss = states["python_gauss"].tolist()
+    random.setstate((python[0], tuple(python[1:]), gauss if has_gauss else None))
+    pos, np_has_gauss, np_gauss = states["numpy_rest"].tolist()
+    np.random.set_state(("MT19937", states["numpy"].numpy().astype(np.uint32), int(pos), int(np_has_gauss), np_gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"].cpu().clone())

@@ -1,0 +1,184 @@
+"""The run folder at run time: every rank takes rank 0's folder, checkpoints land in it, logger ids are recorded."""
+
+import contextlib
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from steadfast.compat import logging_step
+from steadfast.loggers import StepGate
+from steadfast.run_checkpoints import NEXT_LOGGING_STEP
+from steadfast.run_loggers import write_record
+from steadfast.runs import RunPlan
+
+
+class RunFolder(Callback):
+    """Puts what a run writes into the folder the CLI planned (``steadfast.runs``).
+
+    - Each ``ModelCheckpoint`` without a ``dirpath`` writes to ``<run>/checkpoints`` (rank 0's folder, broadcast:
+      under torchrun each rank planned alone and may have seen another newest version).
+    - ``run.json`` records the MLflow/W&B run ids at the start of ``fit``, for a resume to continue those runs.
+    - During ``fit``, loggers that cannot drop points (all but TensorBoard and CSV, which drop what a killed run
+      logged after its checkpoint) receive values only at checkpoints, and a resumed run drops the steps its
+      interrupted run logged (``StepGate``).
+    """
+
+    def __init__(self, plan: RunPlan) -> None:
+        self.plan = plan
+        self.dir: Path = plan.dir
+        self._gates: list[StepGate] = []
+        self._checkpoint_step = 0  # values of steps before it may reach loggers that cannot drop points
+        self._release_at_next_batch = False
+        self._batch_start: tuple[int, int] | None = None  # (logging step, global step) as the batch began
+        self.trained = False  # a training batch of this invocation ended: a failure after it keeps the folder
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.dir = Path(trainer.strategy.broadcast(str(self.plan.dir)))
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = str(self.dir / "checkpoints")
+        if stage == "fit" and trainer.is_global_zero:
+            resumed_at = self.plan.log_step if self.plan.continues else 0
+            self._gates = [
+                StepGate(logger, resumed_at, hold=not isinstance(logger, (TensorBoardLogger, CSVLogger)))
+                for logger in trainer.loggers
+                if not isinstance(logger, DummyLogger)
+            ]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero and not trainer.fast_dev_run:  # which writes nothing, as Lightning documents
+            write_record(self.dir, trainer.loggers)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # Which logged steps the checkpoint covers: the resumed run logs from the next one on. Loggers get
+        # Lightning's logging step, which counts batches, not optimizer steps (two optimizers: half global_step).
+        checkpoint[NEXT_LOGGING_STEP] = self._checkpoint_step = self._next_logging_step(trainer, pl_module)
+        self._release()
+        self._release_at_next_batch = True
+
+    def _next_logging_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+        """The logging step of the batch after this checkpoint. Saved inside a batch (its end, or the validation
+        after it), Lightning has yet to count that batch: one more if it stepped. Saved after its epoch ended,
+        it has counted it."""
+        now = logging_step(trainer)
+        if self._batch_start is None or now != self._batch_start[0]:
+            return now
+        stepped = not pl_module.automatic_optimization or trainer.global_step > self._batch_start[1]
+        return now + stepped
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        self._batch_start = (logging_step(trainer), trainer.global_step)
+        if self._release_at_next_batch:  # the checkpoint step's own values, which Lightning logged after saving it
+            self._release()
+            self._release_at_next_batch = False
+
+    def on_train_batch_end(self, *_: Any) -> None:
+        self.trained = True
+
+    def _release(self) -> None:
+        for gate in self._gates:
+            gate.release(before=self._checkpoint_step)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning calls this only when the stage finished: the last values go out (RunSummary's among them).
+        for gate in self._gates:
+            gate.release()
+            gate.detach()
+        self._gates = []
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # What was logged after the last checkpoint is dropped: the resumed run logs those steps again.
+        self._release()
+        for gate in self._gates:
+            gate.detach()
+        self._gates = []
+
+
+# Files of a run folder that a start rewrites in place (keep_csv_history, the loggers' hparams, write_record): a
+# continued run that fails before it trains puts their bytes back. Checkpoints are never among them.
+REWRITTEN_AT_START = ("metrics.csv", "hparams.yaml", "run.json")
+
+
+@dataclass
+class FolderBefore:
+    """A continued run's folder as this invocation found it: what a failed start must leave as it was.
+
+    A resume that fails at its start (``--trainer.max_epochs`` below the checkpoint's epoch, a damaged checkpoint)
+    would otherwise leave ``config.N.yaml`` and an event file carrying ``purge_step`` in the earlier run, and
+    TensorBoard would then hide that run's points after the checkpoint's step.
+    """
+
+    folder: Path
+    paths: set[Path]
+    kept: dict[Path, bytes]
+
+    @classmethod
+    def take(cls, folder: Path) -> "FolderBefore":
+        paths = set(folder.rglob("*")) if folder.is_dir() else set()
+        kept = {folder / name: (folder / name).read_bytes() for name in REWRITTEN_AT_START if (folder / name).is_file()}
+        return cls(folder, paths, kept)
+
+    def put_back(self) -> None:
+        """Removes what was added (checkpoints excepted: a checkpoint is never deleted) and restores the bytes of
+        ``REWRITTEN_AT_START``."""
+        checkpoints = self.folder / "checkpoints"
+        added = [p for p in self.folder.rglob("*") if p not in self.paths and checkpoints not in (p, *p.parents)]
+        for path in sorted(added, key=lambda p: len(p.parts), reverse=True):  # files before their folders
+            with contextlib.suppress(OSError):
+                path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+        for path, data in self.kept.items():
+            if not path.is_file() or path.read_bytes() != data:
+                path.write_bytes(data)
+
+
+# What a run folder holds before the run has produced anything: the config, the loggers' opening files, the
+# rank-failure notes. A folder with nothing else is no run worth keeping.
+OPENING_FILES = ("config.yaml", "hparams.yaml", "run.json", ".failures", "checkpoints")
+
+
+def remove_if_empty(plan: RunPlan | None) -> None:
+    """After a run that wrote nothing at all (``fast_dev_run``, which Lightning documents as writing nothing): the
+    folder claimed for it goes, with the folders above it that its planning made (rank 0)."""
+    if plan is None or plan.continues or rank_zero_only.rank != 0 or not plan.dir.is_dir() or any(plan.dir.iterdir()):
+        return
+    for folder in (plan.dir, plan.dir.parent, *reversed(plan.made)):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def clean_up_failed_start(
+    plan: RunPlan | None, run_folder: RunFolder | None, trainer: L.Trainer | None, before: FolderBefore | None
+) -> None:
+    """After a run that failed or was stopped before it trained a batch (rank 0, once the run has unwound: every
+    rank is gone and the loggers are closed): a continued run's folder is put back as it was (``FolderBefore``), a
+    new run's folder removed if it holds nothing but its opening files."""
+    if plan is None or rank_zero_only.rank != 0 or not plan.dir.is_dir():
+        return
+    if run_folder is not None and run_folder.trained:
+        return  # its logs and checkpoints are worth keeping
+    ranks = (getattr(trainer.strategy.launcher, "procs", None) if trainer is not None else None) or []
+    for proc in ranks:  # Lightning's launcher: rank 0 started the others
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)  # the other ranks leave their notes before the folder goes
+    if plan.continues:
+        if before is not None:
+            before.put_back()
+        return
+    checkpoints = plan.dir / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return
+    if all(p.name in OPENING_FILES or p.name.startswith("events.out.tfevents.") for p in plan.dir.iterdir()):
+        shutil.rmtree(plan.dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            plan.dir.parent.rmdir()  # the run family, when this was its only run
+        for folder in reversed(plan.made):  # run.root too, when this run made it
+            with contextlib.suppress(OSError):
+                folder.rmdir()

@@ -1,0 +1,235 @@
+"""Where runs live, whatever logs them: ``<root>/<name>/version_N/`` holds a run's ``config.yaml``, ``checkpoints/``,
+``run.json`` and what its loggers write locally.
+
+Lightning leaves the folder to the first logger (without one, every run writes the same ``checkpoints/``) and looks
+for ``--ckpt_path last`` only inside a brand-new version, so a plain resume trains from scratch. Here the engine picks
+the folder before anything is built, points every logger it knows into it (TensorBoard, CSV, MLflow, W&B) and every
+``ModelCheckpoint`` without a ``dirpath`` at its ``checkpoints/``. ``last`` is the newest loadable checkpoint of any
+version; ``fit`` from it (or from a run's ``last*.ckpt``) continues that run: the same folder and TensorBoard/CSV
+version (the points logged after the checkpoint are dropped), the same MLflow and W&B run (ids kept in ``run.json``).
+``fit`` from any other checkpoint branches into a new version and never writes into the run it came from.
+"""
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from jsonargparse import Namespace
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+
+from steadfast.run_checkpoints import (
+    ResumeError,
+    checkpoints_newest_first,
+    find_best_checkpoint,
+    find_last_checkpoint,
+    is_loadable,
+    read_global_step,
+    read_positions,
+    run_of,
+)
+from steadfast.sharded import is_checkpoint_folder
+
+RUN_DIR_ENV = "PROJECT_RUN_DIR"  # the folder rank 0 claimed, for the ranks it starts
+RUN_RECORD = "run.json"  # the run's logger ids, for a resume to continue the same MLflow/W&B run
+
+
+class Runs:
+    """Where runs are kept: ``<root>/<name>/version_N/``, one folder per invocation (a resumed ``fit`` continues its
+    run's folder). Every logger writes there (MLflow: into its own store, the run named ``<name>/version_N``). And
+    what a ``fit`` is judged by: ``monitor`` picks its best checkpoints (a ``ModelCheckpoint`` the engine adds), stops
+    it early (``patience``), is a sweep's objective and the run summary's score.
+
+    Args:
+        root: Folder that holds every kind of run.
+        name: Subfolder for this kind of run; ``None``: named after the data module (``CifarDataModule``: ``cifar``).
+        monitor: The metric, as the module logs it with ``self.log``, that ranks the checkpoints. ``None``: no best
+            checkpoints, only the ``ModelCheckpoint`` callbacks of ``trainer.callbacks`` (``last.ckpt``, periodic).
+            A fit whose module does not log it stops at the first validation's end, before training, naming the
+            keys it does log.
+        mode: Whether a smaller (``min``, a loss) or larger (``max``, an accuracy) ``monitor`` is better.
+        save_top_k: Best checkpoints kept (``best-epoch..-step...ckpt``); ``-1``: every validation's.
+        patience: Validations without improvement of ``monitor`` after which ``fit`` stops (Lightning's
+            ``EarlyStopping``); ``None``: never stops early.
+        test_after_fit: When ``fit`` finishes (not when it is stopped), run ``test`` on its best checkpoint in the
+            same process, on every rank, logging ``test/*`` into the same run (``steadfast.after_fit``).
+        hang_timeout: Seconds without progress on any rank of a DDP run (no training, validation, test or predict
+            batch, no checkpoint save) after which the run ends in one line naming the rank that stopped, its step,
+            the intact checkpoint and the resume command (``steadfast.hang_watchdog``): 300 by default, well
+            under the 30 minutes a collective waits for a peer before it fails. ``None``: never.
+        seed_per_sample: In loader workers, random draws in a training ``Dataset.__getitem__`` (augmentation from
+            torch's, numpy's or Python's global generator) seeded from ``(seed, epoch, index)``, so that a resume,
+            another number of workers or ranks augment each sample alike (``steadfast.sample_seeds``; ~8 us a
+            sample). ``false``: each worker's own stream, as plain PyTorch, and the start line says a resume is
+            inexact.
+    """
+
+    def __init__(
+        self,
+        root: str = "runs",
+        name: str | None = None,
+        monitor: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        save_top_k: int = 3,
+        patience: int | None = None,
+        test_after_fit: bool = False,
+        hang_timeout: float | None = 300.0,
+        seed_per_sample: bool = True,
+    ) -> None:
+        if name is not None and (not name or "/" in name or name in (".", "..")):
+            raise ValueError(f"run.name ({name!r}) must be one folder name, without '/'")
+        if monitor is not None and not monitor:
+            raise ValueError("run.monitor is empty: give the name of a logged metric, or null to monitor none")
+        if save_top_k == 0 or save_top_k < -1:
+            raise ValueError(f"run.save_top_k ({save_top_k}) must be >= 1, or -1 for all; no best: run.monitor null")
+        if patience is not None and patience < 1:
+            raise ValueError(f"run.patience ({patience}) must be >= 1, or null for no early stopping")
+        if patience is not None and monitor is None:
+            raise ValueError(f"run.patience ({patience}) stops on run.monitor, which is null: give --run.monitor KEY")
+        if hang_timeout is not None and not hang_timeout > 0:
+            raise ValueError(f"run.hang_timeout ({hang_timeout}) must be > 0 seconds, or null to never end a hung run")
+        self.root, self.name, self.test_after_fit = root, name, test_after_fit
+        self.hang_timeout, self.seed_per_sample = hang_timeout, seed_per_sample
+        self.monitor, self.mode, self.save_top_k, self.patience = monitor, mode, save_top_k, patience
+
+
+@dataclass
+class RunPlan:
+    """What the engine decided before anything was built; every rank of a run ends up with rank 0's decision."""
+
+    dir: Path
+    continues: bool = False  # fit continues this run's folder and loggers
+    resumed_from: Path | None = None
+    global_step: int | None = None
+    record: dict[str, Any] = field(default_factory=dict)  # run.json of the continued run
+    log_step: int | None = None  # the loggers' step the continued run starts at (read_positions)
+    made: tuple[Path, ...] = ()  # the folders above dir that planning it created (run.root, the run family)
+
+    @property
+    def version(self) -> int:
+        return int(self.dir.name.split("_", 1)[1])
+
+
+def default_name(data_class_path: str | None) -> str:
+    """``my_lab.data.CifarDataModule`` -> ``cifar``, ``MNIST1DDataModule`` -> ``mnist1d``, ``ImageNet`` ->
+    ``image_net``: a run is filed under what it trains on."""
+    name = (data_class_path or "").rsplit(".", 1)[-1]
+    for suffix in ("DataModule", "Datamodule", "Dataset", "Data"):
+        if name.endswith(suffix) and name != suffix:
+            name = name[: -len(suffix)]
+            break
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", name).lower() or "runs"
+
+
+def family_dir(config: Namespace) -> Path:
+    runs = config.get("run") or Namespace(root="runs", name=None)
+    data = config.get("data")
+    data_class = data.get("class_path") if isinstance(data, Namespace) else None
+    return Path(runs.root) / (runs.name or default_name(data_class))
+
+
+def next_version_dir(family: Path) -> Path:
+    versions = [int(p.name[8:]) for p in family.glob("version_*") if p.is_dir() and p.name[8:].isdigit()]
+    return family / f"version_{max(versions, default=-1) + 1}"
+
+
+def new_version(family: Path, **fields: Any) -> RunPlan:
+    """A plan for the next version, claimed (``claim_next_version``); it names the folders the claim created, for a
+    failed start to remove them again (``run_folder.clean_up_failed_start``)."""
+    made = tuple(p for p in reversed([family, *family.parents]) if not p.exists())
+    return RunPlan(claim_next_version(family), made=made if rank_zero_only.rank == 0 else (), **fields)
+
+
+def claim_next_version(family: Path) -> Path:
+    """The next ``version_N``, made here by rank 0 with an exclusive ``mkdir`` before anything is built: runs
+    started together (a sweep's workers, a job array) each get a folder of their own, never one another's. The
+    other ranks only name it (``RUN_DIR_ENV``, under Lightning's launcher, which starts them from rank 0) and take
+    rank 0's folder once the processes meet (``RunFolder.setup``; under torchrun each rank plans alone). A run that
+    fails before writing into it removes it (``run_folder.clean_up_failed_start``)."""
+    if rank_zero_only.rank != 0:
+        given = os.environ.get(RUN_DIR_ENV)  # rank 0's claim, when rank 0 started this process
+        return Path(given) if given and Path(given).parent == family else next_version_dir(family)
+    family.mkdir(parents=True, exist_ok=True)
+    while True:
+        path = next_version_dir(family)
+        try:
+            path.mkdir()
+        except FileExistsError:  # another run took it between the listing and the mkdir: the next one
+            continue
+        # Lightning's ddp launcher starts the other ranks with this process's environment: they name this folder
+        # from the start (their failure notes land in it); set for the run only (steadfast.run_scope)
+        os.environ[RUN_DIR_ENV] = str(path)
+        return path
+
+
+def check_save_dir(family: Path) -> None:
+    """Raises ``ValueError`` before anything runs if the runs folder cannot become a writable folder.
+
+    Otherwise a run would fail once started, in a traceback from deep inside a logger or checkpoint writer.
+    """
+    existing = family
+    while not existing.exists() and existing != existing.parent:  # the part of the path that is there
+        existing = existing.parent
+    flag = "--run.root"
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {family.parent}: {existing} is a file, not a folder. Choose another {flag}.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {family.parent}: the folder {existing} is not writable. Choose another {flag}.")
+
+
+def plan_run(config: Namespace, subcommand: str) -> RunPlan:
+    """Resolves ``ckpt_path`` (``last``: the newest loadable checkpoint) and picks the run folder.
+
+    Only ``fit`` continues a run's folder: ``validate``/``test``/``predict`` of a checkpoint get a folder of their
+    own, so they never add points to the training curves.
+    """
+    family = family_dir(config)
+    check_save_dir(family)
+    ckpt_path = config.get("ckpt_path")
+    if ckpt_path is None or ckpt_path in ("hpc", "registry"):
+        return new_version(family)
+    if ckpt_path == "best" or (Path(ckpt_path).is_dir() and not is_checkpoint_folder(Path(ckpt_path))):
+        path = find_best_checkpoint(ckpt_path, family)
+        config["ckpt_path"] = str(path)
+        # a new version even for fit: starting from a run's best is a branch, the run itself is never written into
+        global_step = read_global_step(path)
+        return new_version(family, resumed_from=path, global_step=global_step)
+    if ckpt_path == "last":
+        found = find_last_checkpoint(family)
+        if found is None and subcommand != "fit":  # evaluating random weights is never what was asked for
+            raise ResumeError(
+                f"--ckpt_path last: no checkpoint under {family}/*/ to {subcommand}. Train one first (python -m "
+                "project fit), or give a .ckpt file."
+            )
+        if found is None:
+            rank_zero_info(f"--ckpt_path last: no checkpoint under {family}/*/; starting from scratch.")
+            config["ckpt_path"] = None
+            return new_version(family)
+        path, global_step = found
+        if subcommand == "fit":  # an evaluation's start line names the checkpoint (steadfast.guarantees)
+            rank_zero_info(f"--ckpt_path last: resuming from {path} (global step {global_step})")
+        config["ckpt_path"] = str(path)
+        continues = True
+    else:
+        path = Path(ckpt_path)
+        if not (path.is_file() or is_checkpoint_folder(path)):
+            raise ResumeError(
+                f"--ckpt_path {ckpt_path}: no such file or run folder. Give an existing .ckpt, a run folder "
+                f"({family}/version_N), 'best' or 'last'."
+            )
+        try:
+            global_step = read_global_step(path)
+        except ResumeError as error:
+            good = next((p for p in checkpoints_newest_first(path.parent, "*.ckpt") if is_loadable(p)), None)
+            hint = f" The newest other checkpoint beside it is {good}." if good else ""
+            raise ResumeError(f"{error}.{hint} Resume from another file, or from 'last'.") from None
+        continues = path.name.startswith(("last", "hpc_ckpt_"))
+    run_dir = run_of(path)
+    if subcommand == "fit" and continues and run_dir.parent == family.resolve() and run_dir.name[8:].isdigit():
+        record_file = run_dir / RUN_RECORD
+        record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+        log_step = read_positions(path)[1]  # the loggers count batches, not optimizer steps
+        return RunPlan(family / run_dir.name, True, path, global_step, record, log_step)
+    return new_version(family, resumed_from=path, global_step=global_step)

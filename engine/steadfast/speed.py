@@ -1,0 +1,56 @@
+"""Speed switches that change how fast, not what is computed: callbacks a config lists (``configs/gpu.yaml``),
+named in the start line (`` | speed: ...``), each set for the run only."""
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+
+class SpeedSwitch(Callback):
+    """A switch the start line names (``steadfast.guarantees.speed_switches``)."""
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+class Compile(SpeedSwitch):
+    """``torch.compile`` of each of the module's networks (its children with parameters), in place: checkpoints
+    keep the same keys and load into an uncompiled module. The graph is traced at the first forward, once Lightning
+    has moved the module to its device, so the first steps are slow. Pays off on GPUs for networks that run long
+    enough to amortise the compile time."""
+
+    def describe(self) -> str:
+        return "networks compiled"
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for net in pl_module.children():
+            if any(True for _ in net.parameters()):  # not torchmetrics metrics
+                net.compile()
+
+
+class MatmulPrecision(SpeedSwitch):
+    """``torch.set_float32_matmul_precision`` for the run, in every rank's process, put back at its end: ``high``
+    lets Ampere+ GPUs use TF32 tensor cores for float32 matmuls (about 8x the float32 throughput, 10-bit
+    mantissa). (With ``precision: bf16-mixed`` the matmuls run in bfloat16 anyway.)
+
+    Args:
+        precision: ``highest`` (PyTorch's default), ``high`` or ``medium``.
+    """
+
+    def __init__(self, precision: str = "high") -> None:
+        if precision not in ("highest", "high", "medium"):
+            raise ValueError(f"precision ({precision!r}) must be 'highest', 'high' or 'medium'")
+        self.precision = precision
+        self._before: str | None = None
+
+    def describe(self) -> str:
+        return f"float32 matmuls at {self.precision!r} precision"
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(self.precision)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._before is not None:
+            torch.set_float32_matmul_precision(self._before)
+            self._before = None

@@ -1,0 +1,836 @@
+"""Each private Lightning or torch API in engine/steadfast/compat*.py still exists and still does what the engine
+relies on; a Lightning upgrade that changes one fails here, naming it."""
+
+import ast
+import contextlib
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.loggers.csv_logs import _ExperimentWriter
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from steadfast.compat import (
+    cli_section,
+    loader_with_sampler,
+    request_stop_at_batch_end,
+    save_last_unless_saved_at_this_step,
+    shard_over_all_ranks,
+    state_key_arguments,
+    uses_distributed_sampler,
+)
+from steadfast.compat_logging import set_csv_columns
+from steadfast.compat_torch import set_nested
+from tests.fixtures.stand_in import BlobsDataModule, StandIn
+from tests.helpers import STAND_IN
+
+
+def test_trainer_signal_connector_received_sigterm_stops_every_rank_at_the_batch_end(tmp_path):
+    class StopAtThree(L.Callback):
+        def on_train_batch_end(self, trainer, *_):
+            if trainer.global_step == 3:
+                request_stop_at_batch_end(trainer)
+
+    trainer = L.Trainer(max_steps=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[StopAtThree()],
+                        default_root_dir=tmp_path)  # fmt: skip
+    assert hasattr(trainer, "_signal_connector") and hasattr(trainer._signal_connector, "received_sigterm"), (
+        "Trainer._signal_connector.received_sigterm is gone"
+    )
+    with contextlib.suppress(SIGTERMException):
+        trainer.fit(StandIn(warmup=0), BlobsDataModule())
+    assert trainer.global_step == 3, "setting Trainer._signal_connector.received_sigterm no longer stops the loop"
+
+
+def test_lightning_cli_get_reads_a_config_section():
+    assert hasattr(LightningCLI, "_get"), "LightningCLI._get is gone"
+
+    class Stub:
+        subcommand = "fit"
+        _get = LightningCLI._get
+
+    assert cli_section(Stub(), {"fit": {"trainer": {"max_epochs": 3}}}, "trainer") == {"max_epochs": 3}
+    assert cli_section(Stub(), {"fit": {}}, "trainer") == {}
+
+
+def test_csv_experiment_writer_keeps_the_columns_it_is_given(tmp_path):
+    writer = _ExperimentWriter(str(tmp_path))
+    assert hasattr(writer, "metrics_keys"), "_ExperimentWriter.metrics_keys is gone"
+    (tmp_path / "metrics.csv").write_text("a,step\n1.0,0\n")
+    set_csv_columns(writer, ["a", "step"])
+    writer.log_metrics({"a": 2.0}, step=1)
+    writer.save()
+    assert (tmp_path / "metrics.csv").read_text().splitlines() == ["a,step", "1.0,0", "2.0,1"]
+
+
+def test_model_parallel_strategy_data_parallel_size_becomes_every_rank():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size="auto", tensor_parallel_size=2)
+    assert strategy._data_parallel_size == "auto" and strategy._tensor_parallel_size == 2
+    strategy.parallel_devices = [None] * 8  # 8 processes on each of 2 nodes
+    strategy.num_nodes = 2
+    shard_over_all_ranks(strategy)
+    assert strategy._data_parallel_size == 8
+
+
+def test_dcp_traverse_set_element_sets_a_nested_value():
+    state = {"optimizer_0": {"param_groups": [{"lr": 0.0}]}}
+    set_nested(state, ("optimizer_0", "param_groups", 0, "lr"), 0.5)
+    assert state == {"optimizer_0": {"param_groups": [{"lr": 0.5}]}}
+
+
+def test_model_checkpoint_state_key_holds_its_monitor_and_mode():
+    key = ModelCheckpoint(monitor="val/loss", mode="min").state_key
+    assert key.startswith("ModelCheckpoint{"), f"Callback._generate_state_key's format changed: {key}"
+    assert {k: state_key_arguments(key).get(k) for k in ("monitor", "mode")} == {"monitor": "val/loss", "mode": "min"}
+    assert state_key_arguments(ModelCheckpoint(monitor="val/acc", mode="max").state_key)["mode"] == "max"
+    assert state_key_arguments("NotACallbackKey") == {}
+
+
+def test_model_checkpoint_saves_last_at_the_end_once_and_not_again_at_the_same_step(tmp_path):
+    from steadfast.checkpoint_files import load_checkpoint_file
+
+    saves = []
+
+    class Count(L.Callback):
+        def on_save_checkpoint(self, trainer, *_):
+            saves.append(trainer.global_step)
+
+    # an interval no run reaches: Lightning's own on_train_end writes last.ckpt (none written yet); then the
+    # private API must skip the step it already saved and write at a new one
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(hours=1), save_top_k=0, save_last=True)
+    trainer = L.Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, callbacks=[checkpoint, Count()], default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(StandIn(warmup=0), BlobsDataModule())
+    assert saves == [3] and load_checkpoint_file(tmp_path / "last.ckpt")["global_step"] == 3
+    save_last_unless_saved_at_this_step(checkpoint, trainer)
+    assert saves == [3], "ModelCheckpoint._should_skip_saving_checkpoint no longer skips a step already saved"
+    checkpoint._last_global_step_saved = 2  # as if last saved at an earlier step
+    save_last_unless_saved_at_this_step(checkpoint, trainer)
+    assert saves == [3, 3], "ModelCheckpoint._save_last_checkpoint(trainer, _monitor_candidates) no longer saves"
+    assert checkpoint.last_model_path == str(tmp_path / "last.ckpt")
+
+
+def test_last_checkpoint_holds_the_final_step_after_a_refresh_during_the_fit(tmp_path):
+    """The default's LastCheckpoint: refreshed during the fit (here after every step: interval 0) and still at the
+    final step when fit ends, as the saved global step and the weights say."""
+    from steadfast.checkpoint_files import load_checkpoint_file
+    from steadfast.last_checkpoint import LastCheckpoint
+
+    class Interval(LastCheckpoint):  # a refresh at step 2 only, as a 10-minute interval gives on a long run
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 2:
+                super().on_train_batch_end(trainer, *args)
+
+    model = StandIn(warmup=0)
+    trainer = L.Trainer(max_steps=5, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, callbacks=[Interval(timedelta(0), dirpath=str(tmp_path))])  # fmt: skip
+    trainer.fit(model, BlobsDataModule())
+    saved = load_checkpoint_file(tmp_path / "last.ckpt")
+    assert saved["global_step"] == 5
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
+
+
+def _log_steps(result_metric_to, steps=5):
+    """``self.log`` as Lightning runs it, with ``_ResultMetric.to`` set to ``result_metric_to``: the per-step and the
+    epoch value of a mean over steps, plus one metric-valued log."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
+    from torchmetrics import MeanMetric
+
+    saved = _ResultMetric.to
+    _ResultMetric.to = result_metric_to
+    try:
+        results, mean = _ResultCollection(training=True), MeanMetric()
+        seen = []
+        for step in range(steps):
+            value = torch.tensor(0.5 + step)
+            mean.update(value)
+            results.log("training_step", "loss", value, on_step=True, on_epoch=True, batch_size=4)
+            results.log("training_step", "mean", mean, on_step=False, on_epoch=True)
+            seen.append(results["training_step.loss"]._forward_cache.item())
+        return results, seen, results["training_step.loss"].compute().item(), results["training_step.mean"].compute()
+    finally:
+        _ResultMetric.to = saved
+
+
+def test_result_metric_to_is_called_at_every_log_and_skipped_once_its_values_are_there():
+    """Lightning's ``_ResultCollection.log`` moves the stored result at every call, and its ``_ResultMetric.to``
+    walks and rebuilds the whole object (a new ``meta`` each time): both are what ``skip_moves_already_done`` is
+    for; a Lightning that no longer does either fails here and the patch can go."""
+    import inspect
+
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
+
+    from steadfast.compat_logging import skip_moves_already_done
+
+    assert "self[key].to(value.device)" in inspect.getsource(_ResultCollection.log), (
+        "_ResultCollection.log no longer moves the result at every call: drop compat.skip_moves_already_done"
+    )
+    undo = skip_moves_already_done()
+    patched = _ResultMetric.to
+    original = patched.__wrapped__
+    assert skip_moves_already_done() is not undo and _ResultMetric.to is patched  # twice is once
+    undo()
+    assert _ResultMetric.to is original, "not put back"
+
+    calls = []
+
+    def counting(self, *args, **kwargs):
+        calls.append(args)
+        return original(self, *args, **kwargs)
+
+    results, *_ = _log_steps(counting, steps=3)
+    loss = results["training_step.loss"]
+    assert len(calls) == 6, "no longer one _ResultMetric.to call per self.log"
+    meta = loss.meta
+    loss.to(torch.device("cpu"))
+    assert loss.meta is not meta, "_ResultMetric.to no longer rebuilds the object: the patch may have no effect"
+
+    # The oracle: the same logs through Lightning's own move give the same per-step values and epoch results.
+    assert _log_steps(patched)[1:3] == _log_steps(original)[1:3]
+    patched_mean, original_mean = _log_steps(patched)[3], _log_steps(original)[3]
+    assert torch.equal(patched_mean, original_mean)
+
+    # Skipped once there: the object is left as it is (no new meta).
+    results, *_ = _log_steps(patched, steps=2)
+    loss = results["training_step.loss"]
+    meta = loss.meta
+    patched(loss, torch.device("cpu"))
+    assert loss.meta is meta
+    # Any other move still happens (here to the meta device, the only other one a CPU has), and is then skipped.
+    patched(loss, torch.device("meta"))
+    assert loss.value.device.type == "meta" and loss._defaults["value"].device.type == "meta"
+    meta = loss.meta
+    patched(loss, torch.device("meta"))
+    assert loss.meta is meta
+    results, *_ = _log_steps(patched, steps=2)
+    loss = results["training_step.loss"]
+    patched(loss, device="meta")  # the keyword form, as _ResultCollection.cpu() calls it: Lightning's own path
+    assert loss.value.device.type == "meta" and loss._defaults["value"].device.type == "meta"
+    results, *_ = _log_steps(patched, steps=2)
+    loss = results["training_step.loss"]
+    loss._forward_cache = torch.empty(1, device="meta")  # a value left elsewhere: not skipped
+    with pytest.raises(NotImplementedError, match="meta"):  # Lightning's own path tries to copy it back
+        patched(loss, torch.device("cpu"))
+    mean = results["training_step.mean"]
+    patched(mean, torch.device("cpu"))  # a logged Metric: skipped while it stays where it is
+    mean.value.to(torch.device("meta"))  # and not once it has moved
+    with pytest.raises(NotImplementedError, match="meta"):
+        patched(mean, torch.device("cpu"))
+
+
+def test_a_fit_logs_the_same_values_with_and_without_skipped_moves(tmp_path, monkeypatch):
+    """The oracle is the same fit with Lightning's own ``_ResultMetric.to``: every logged value, step and epoch,
+    train and validation, is the same."""
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    from steadfast.compat_logging import skip_moves_already_done
+
+    undo = skip_moves_already_done()
+    patched = _ResultMetric.to
+    undo()
+
+    def fit(name):
+        L.seed_everything(0)
+        trainer = L.Trainer(max_epochs=2, limit_train_batches=6, limit_val_batches=2, log_every_n_steps=1,
+                            logger=CSVLogger(tmp_path, name=name), enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        trainer.fit(StandIn(warmup=1), BlobsDataModule())
+        return (tmp_path / name / "version_0" / "metrics.csv").read_text()
+
+    monkeypatch.setattr(_ResultMetric, "to", patched)
+    with_skips = fit("patched")
+    monkeypatch.setattr(_ResultMetric, "to", patched.__wrapped__)
+    lightnings = fit("lightning")
+    assert "train/loss" in with_skips and "val/acc" in with_skips and len(with_skips.splitlines()) == 1 + 12 + 2 * 2
+    assert with_skips == lightnings
+
+
+def test_the_default_profiler_profiles_nothing_at_no_cost_and_a_chosen_one_still_profiles():
+    from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
+
+    from tests.helpers import cli_main
+    from steadfast.profiler import NoProfiler
+
+    profiler = NoProfiler()
+    with profiler.profile("a"), profiler.profile("b"):  # nested, as Lightning's hooks are
+        pass
+    assert isinstance(profiler, PassThroughProfiler) and profiler.summary() == ""
+    assert type(cli_main(STAND_IN, run=False).trainer.profiler) is NoProfiler
+    assert type(cli_main([*STAND_IN, "--trainer.profiler", "simple"], run=False).trainer.profiler) is SimpleProfiler
+
+
+def test_skip_moves_names_lightning_issue_and_installs_nothing_where_lightning_no_longer_moves(monkeypatch):
+    """Lightning issue #20388 (fix proposed in PR #21769): on a Lightning whose ``self.log`` no longer moves its result
+    at every call (the probe says so), nothing is replaced."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    from steadfast import compat_logging
+
+    doc = compat_logging.skip_moves_already_done.__doc__
+    assert "#20388" in doc and "#21769" in doc
+    assert compat_logging.lightning_moves_at_every_log(), (
+        "Lightning 2.6 moves at every self.log: the probe no longer sees it"
+    )
+    own = _ResultMetric.to
+    monkeypatch.setattr(compat_logging, "lightning_moves_at_every_log", lambda: False)  # as on a fixed Lightning
+    compat_logging.skip_moves_already_done()()
+    assert _ResultMetric.to is own
+
+
+def test_result_metric_to_takes_lightnings_path_for_a_value_it_does_not_know():
+    """``_values_on`` knows ``_defaults``, ``_forward_cache``, ``_computed`` and ``value``: a result holding any other
+    tensor (a Lightning that adds a field) is moved by Lightning's own ``to``, never skipped."""
+    from steadfast.compat_logging import skip_moves_already_done
+
+    undo = skip_moves_already_done()
+    try:
+        from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+        patched = _ResultMetric.to
+    finally:
+        undo()
+    results, *_ = _log_steps(patched, steps=2)
+    loss = results["training_step.loss"]
+    patched(loss, torch.device("cpu"))
+    meta = loss.meta
+    patched(loss, torch.device("cpu"))
+    assert loss.meta is meta, "precondition: a known result is skipped"
+    loss.__dict__["a_new_field"] = torch.zeros(1)
+    patched(loss, torch.device("cpu"))
+    assert loss.meta is not meta, "a result with a tensor field _values_on does not know was skipped"
+
+
+def test_fit_loop_saved_counters_are_rewritten_and_an_unknown_layout_stops_the_engine():
+    from steadfast.compat import LightningChanged, reopen_an_epoch_stopped_mid_way
+
+    def counts(n):
+        return {"ready": n, "started": n, "processed": n, "completed": n}
+
+    saved = {"epoch": 1, "loops": {"fit_loop": {
+        "epoch_loop.batch_progress": {"is_last_batch": False, "current": counts(3), "total": counts(13)},
+        "epoch_progress": {"current": counts(2), "total": counts(2)}}}}  # fmt: skip
+    reopen_an_epoch_stopped_mid_way(saved)
+    epochs = saved["loops"]["fit_loop"]["epoch_progress"]
+    assert epochs["current"]["completed"] == epochs["current"]["processed"] == 1 and saved["epoch"] == 1
+    reopen_an_epoch_stopped_mid_way({"state_dict": {}})  # a weights-only save: nothing to reopen
+    del saved["loops"]["fit_loop"]["epoch_progress"]
+    with pytest.raises(LightningChanged, match=r"epoch_progress.*Lightning \d"):
+        reopen_an_epoch_stopped_mid_way(saved)
+
+
+def test_model_checkpoint_file_exists_is_replaced_on_the_instance_and_restored(tmp_path):
+    from types import SimpleNamespace
+
+    from steadfast.compat import count_pending_saves_as_files, restore_file_exists
+
+    one_rank = SimpleNamespace(reduce_boolean_decision=lambda decision, all: decision)
+    trainer = SimpleNamespace(strategy=one_rank, is_global_zero=True)
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    callback = ModelCheckpoint(dirpath=tmp_path)
+    assert not callback.file_exists(a, trainer)
+    count_pending_saves_as_files(callback, lambda path, _: path == a)
+    count_pending_saves_as_files(callback, lambda path, _: path == a)  # never wrapped twice
+    assert callback.file_exists(a, trainer) and not callback.file_exists(b, trainer)
+    restore_file_exists(callback)
+    assert "file_exists" not in vars(callback) and not callback.file_exists(a, trainer)
+
+
+def test_logger_log_metrics_replaced_and_tensorboard_experiment_read(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from steadfast.compat_logging import experiment_opened, replace_log_metrics
+
+    logger = TensorBoardLogger(tmp_path)
+    assert not experiment_opened(logger), "TensorBoardLogger._experiment no longer tells an unopened writer"
+    logger.experiment  # noqa: B018  # opens it
+    assert experiment_opened(logger)
+    seen = []
+    own = replace_log_metrics(logger, lambda metrics, step=None: seen.append(step))
+    logger.log_metrics({"a": 1.0}, step=3)
+    replace_log_metrics(logger, own)
+    assert seen == [3] and logger.log_metrics == own
+
+
+def test_lr_scheduler_last_lr_is_what_get_last_lr_returns():
+    from steadfast.compat_torch import set_last_lr
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), lambda _: 1)
+    set_last_lr(scheduler, [0.25])
+    assert scheduler.get_last_lr() == [0.25]
+
+
+def test_tensor_version_counts_in_place_writes():
+    from steadfast.compat_torch import version_counter
+
+    t = torch.zeros(2)
+    before = version_counter(t)
+    t.add_(1)
+    assert before is not None and version_counter(t) == before + 1
+    with torch.inference_mode():
+        assert version_counter(torch.zeros(1)) is None
+
+
+def test_torch_crc32_setting_is_per_thread_so_other_threads_keep_their_checksums(tmp_path):
+    """torch's serialization config holds overrides per thread (``torch.utils._config_module``): the checkpoint
+    writer's no-CRC save never reaches a ``torch.save`` on another thread."""
+    import threading
+    import zipfile
+
+    from steadfast.compat_torch import crc32_off_in_this_thread
+
+    inside, done, results = threading.Event(), threading.Event(), {}
+
+    def writer():
+        with crc32_off_in_this_thread() as off:
+            results["off"] = off
+            torch.save({"x": torch.arange(1000)}, tmp_path / "writer.pt")
+            inside.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    inside.wait(10)
+    torch.save({"x": torch.arange(1000)}, tmp_path / "main.pt")  # while the writer's setting is off
+    done.set()
+    thread.join()
+    assert results["off"], "torch's CRC-32 setting is no longer per thread: checkpoints now keep their checksums"
+    assert zipfile.ZipFile(tmp_path / "main.pt").testzip() is None
+    assert zipfile.ZipFile(tmp_path / "writer.pt").testzip() is not None
+    assert torch.serialization.get_crc32_options() is True
+
+
+def test_dcp_load_planner_internals_and_reader_load_id():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from steadfast.compat_torch import index_for_reader
+
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({"a": {"b": 1}}, Metadata(state_dict_metadata={}), is_coordinator=True)
+    assert hasattr(planner, "original_state_dict") and hasattr(planner, "mappings"), "DefaultLoadPlanner changed"
+    reader = FileSystemReader(".")
+    reader.reset()
+    assert index_for_reader(reader, Metadata(state_dict_metadata={})).storage_meta.load_id == reader.load_id
+
+
+def test_ddp_launcher_procs_and_gloo_peer_messages():
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from steadfast.compat_torch import PEER_GONE
+    from steadfast.rank_failures import is_peer_gone
+
+    launcher = _SubprocessScriptLauncher(cluster_environment=None, num_processes=2, num_nodes=1)  # type: ignore
+    assert launcher.procs == [], "_SubprocessScriptLauncher.procs is gone (rank 0's children)"
+    # gloo's messages themselves: tests/test_console.py's dead-rank runs (slow) see them
+    assert all(is_peer_gone(RuntimeError(f"[../gloo/transport/tcp/pair.cc:534] {text}")) for text in PEER_GONE)
+
+
+def test_ddp_launchers_child_process_observer_waits_for_the_report_before_it_kills_every_rank():
+    """``child_observer_waits``: ``_ChildProcessObserver``'s ``_run``, ``_child_processes`` (the launcher's list
+    itself) and its SIGKILL of ``main_pid`` and the children once one has failed, as the engine relies on them."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    from steadfast.compat import child_observer_waits
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    main = subprocess.Popen(sleep)  # stands in for rank 0, which the observer SIGKILLs (not this test's process)
+    procs = [subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]), subprocess.Popen(sleep)]
+    try:
+        observer = _ChildProcessObserver(main_pid=main.pid, child_processes=procs, sleep_period=0.05)  # 5 s in fact
+        observer.start()
+        trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=SimpleNamespace(procs=procs)))
+        alive_while_waiting = []
+        undo = child_observer_waits(trainer, lambda: (time.sleep(0.5), alive_while_waiting.append(main.poll())))
+        assert "_run" in vars(observer), "no _ChildProcessObserver watches the launcher's procs"
+        observer.join(timeout=30)
+        assert alive_while_waiting == [None], "the observer killed rank 0 before the engine's report"
+        assert main.wait(timeout=10) == -9 and procs[1].wait(timeout=10) == -9  # then Lightning's kill, as before
+        undo()
+        assert "_run" not in vars(observer)
+    finally:
+        for proc in (main, *procs):
+            proc.kill()
+            proc.wait()
+
+
+def test_lightning_cli_hparam_keys_are_the_ones_the_summary_leaves_out():
+    from tests.helpers import cli_main
+    from steadfast.compat import CLI_HPARAM_KEYS
+
+    cli = cli_main(STAND_IN, run=False)
+    added = {k for k in (*cli.model.hparams_initial, *cli.datamodule.hparams_initial) if k.startswith("_")}
+    assert added == set(CLI_HPARAM_KEYS), f"LightningCLI's hparam keys are now {sorted(added)}"
+
+
+ENGINE = Path(__file__).resolve().parent.parent / "project" / "engine"
+ALLOWED = {"os._exit"}  # documented by Python
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(source: str) -> list[str]:
+    """Private names of other packages a module uses: ``x._y`` (x not ``self``/``cls``), imports of ``_y`` or from a
+    ``_module``, and ``self._y`` in a class that never sets or defines ``_y`` (its base class's)."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            if not (isinstance(base, ast.Name) and base.id in ("self", "cls")) and ast.unparse(node) not in ALLOWED:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("project"):
+            private_module = any(_private(part) for part in node.module.split("."))
+            found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                      if private_module or _private(a.name)]  # fmt: skip
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if any(map(_private, a.name.split(".")))]
+        elif isinstance(node, ast.ClassDef) and node.bases:
+            own = {n.name for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+            own |= {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+            own |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            attributes = [n for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)]
+            mine = [n for n in attributes if n.value.id in ("self", "cls")]  # type: ignore[attr-defined]
+            own |= {n.attr for n in mine if isinstance(n.ctx, ast.Store)}
+            found += [
+                f"{n.lineno}: self.{n.attr} (a base class's)" for n in mine if _private(n.attr) and n.attr not in own
+            ]
+    return found
+
+
+def test_the_scan_finds_each_kind_of_private_use():
+    source = """
+from lightning.fabric.utilities.types import _PATH
+from torch.distributed.checkpoint._traverse import set_element
+import torch._dynamo
+class Logger(TensorBoardLogger):
+    def finalize(self):
+        self._mine = 1
+        return self._experiment, self._mine, trainer._signal_connector, os._exit
+"""
+    assert sorted(use.split(": ", 1)[1] for use in private_uses(source)) == [
+        "from lightning.fabric.utilities.types import _PATH",
+        "from torch.distributed.checkpoint._traverse import set_element",
+        "import torch._dynamo",
+        "self._experiment (a base class's)",
+        "trainer._signal_connector",
+    ]
+
+
+def test_no_engine_module_but_the_compat_ones_uses_a_private_name_of_lightning_or_torch():
+    uses = {
+        path.name: private_uses(path.read_text())
+        for path in sorted(ENGINE.glob("*.py"))
+        if not path.name.startswith("compat")
+    }
+    found = [f"engine/steadfast/{name}:{use}" for name, names in uses.items() for use in names]
+    assert not found, "private APIs outside engine/steadfast/compat*.py:\n" + "\n".join(found)
+
+
+def test_update_dataloader_rebuilds_a_loader_of_the_users_class_with_another_sampler():
+    from lightning.pytorch.utilities import data
+
+    assert hasattr(data, "_update_dataloader"), "lightning.pytorch.utilities.data._update_dataloader is gone"
+    from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
+
+    class Loader(DataLoader):
+        def __init__(self, dataset, note: str, **kwargs):
+            super().__init__(dataset, **kwargs)
+            self.note = note
+
+    dataset = TensorDataset(torch.arange(10))
+    sampler = SequentialSampler(range(10))
+    rebuilt = loader_with_sampler(Loader(dataset, "mine", batch_size=3, shuffle=True, drop_last=True), sampler)
+    assert type(rebuilt) is Loader and rebuilt.note == "mine" and rebuilt.dataset is dataset
+    assert rebuilt.sampler is sampler and rebuilt.batch_size == 3 and rebuilt.drop_last
+
+
+def test_accelerator_connector_holds_the_use_distributed_sampler_flag():
+    assert hasattr(L.Trainer(logger=False)._accelerator_connector, "use_distributed_sampler"), (
+        "Trainer._accelerator_connector.use_distributed_sampler is gone"
+    )
+    assert uses_distributed_sampler(L.Trainer(logger=False, accelerator="cpu"))
+    assert not uses_distributed_sampler(L.Trainer(logger=False, accelerator="cpu", use_distributed_sampler=False))
+
+
+def test_torch_pytree_tree_map_and_tree_leaves_walk_nested_batches():
+    from steadfast.compat_torch import tree_leaves, tree_map
+
+    batch = {"x": torch.ones(2), "pair": (torch.zeros(1), [3])}
+    assert tree_leaves(batch)[0] is batch["x"] and len(tree_leaves(batch)) == 3
+    doubled = tree_map(lambda v: v * 2, batch)
+    assert doubled["pair"][1] == [6] and torch.equal(doubled["x"], torch.full((2,), 2.0))
+
+
+def test_model_parallel_setup_checks_configure_model_on_the_instance_and_the_shim_is_undone():
+    import inspect
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from steadfast.compat import configure_model_counted_as_overridden
+
+    assert 'is_overridden("configure_model", self.lightning_module)' in inspect.getsource(ModelParallelStrategy.setup)
+    module = StandIn()
+    assert not is_overridden("configure_model", module)
+    with configure_model_counted_as_overridden(module):
+        assert is_overridden("configure_model", module)
+    assert not is_overridden("configure_model", module) and "configure_model" not in vars(module)
+
+
+def test_fit_loop_epoch_loop_batch_progress_counts_micro_batches_rescaled_for_another_shape():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loops.progress import _BatchProgress
+
+    from steadfast.compat import LightningChanged, rescale_batch_progress
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    assert isinstance(progress, _BatchProgress)
+    # a save at the end of a rank's 5th micro-batch of 8 samples over 2 ranks (13 in all): counted ready, not completed
+    for tracker, n in ((progress.current, 5), (progress.total, 13)):
+        tracker.ready = tracker.started = tracker.processed = n
+        tracker.completed = n - 1
+    rescale_batch_progress(trainer, 8, 4)  # 1 rank of 4: twice the micro-batches
+    assert (progress.current.ready, progress.current.processed, progress.current.completed) == (10, 10, 9)
+    assert (progress.total.started, progress.total.completed) == (26, 25)
+    with pytest.raises(ValueError, match="not a whole number of micro-batches of 16"):
+        rescale_batch_progress(trainer, 4, 16)  # 10 x 4 samples are not whole micro-batches of 16
+    gone = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
+    with pytest.raises(LightningChanged, match=r"batch_progress.*Lightning \d"):
+        rescale_batch_progress(gone, 8, 4)
+
+
+def test_bar_values_are_converted_at_every_batch_end_and_read_from_staged_copies_instead():
+    """Lightning's ``_ResultCollection.metrics`` converts each ``prog_bar`` value with the module-level
+    ``convert_tensors_to_scalars`` of ``result.py`` (a sync per value and step on a GPU), and bars read
+    ``_LoggerConnector.progress_bar_metrics``: what ``read_bar_values_without_waiting`` replaces. A Lightning that
+    no longer converts there fails here and the patch can go."""
+    import inspect
+
+    from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
+
+    from steadfast.compat_logging import _staged_bar_values, read_bar_values_without_waiting
+
+    assert "convert_tensors_to_scalars(value)" in inspect.getsource(result._ResultCollection.metrics), (
+        "_ResultCollection.metrics no longer converts prog_bar values: drop compat.read_bar_values_without_waiting"
+    )
+    convert, prop = result.convert_tensors_to_scalars, logger_connector._LoggerConnector.progress_bar_metrics
+    undo = read_bar_values_without_waiting()
+    try:
+        assert read_bar_values_without_waiting()() is None  # twice is once: the second's undo does nothing
+        results = result._ResultCollection(training=True)
+        results.log("training_step", "loss", torch.tensor(2.0), on_step=True, on_epoch=False, prog_bar=True)
+        pbar = results.metrics(on_step=True)["pbar"]
+        assert isinstance(pbar["loss"], torch.Tensor), "still converted at every batch end"
+        assert logger_connector._LoggerConnector.progress_bar_metrics.fget.staged
+        staged: dict = {}  # what a bar's reads show: host copies from the read before
+        assert _staged_bar_values(staged, {"loss": torch.tensor(2.0), "v_num": 3}) == {"loss": 2.0, "v_num": 3}
+        assert _staged_bar_values(staged, {"loss": torch.tensor(5.0)}) == {"loss": 2.0}  # one read late
+        assert _staged_bar_values(staged, {"loss": torch.tensor(7.0)}) == {"loss": 5.0}
+    finally:
+        undo()
+    assert (
+        result.convert_tensors_to_scalars is convert and logger_connector._LoggerConnector.progress_bar_metrics is prop
+    )
+
+
+def test_fused_adamw_skips_its_step_on_the_device_while_found_inf_is_set():
+    """``compat.skips_steps_on_device`` (torch's ``_step_supports_amp_scaling``) and the skip it stands for: weights,
+    moments and step counts of a fused AdamW stay bit-equal under ``found_inf = 1``; a plain AdamW has no skip."""
+    from steadfast.compat_torch import skips_steps_on_device
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    assert skips_steps_on_device(optimizer) and not skips_steps_on_device(torch.optim.AdamW([weight]))
+    weight.grad = torch.ones(3)
+    optimizer.step()
+    before = (weight.detach().clone(), {k: v.clone() for k, v in optimizer.state[weight].items()})
+    optimizer.found_inf = torch.ones(())
+    weight.grad = torch.full((3,), float("nan"))
+    optimizer.step()
+    assert torch.equal(weight.detach(), before[0])
+    assert all(torch.equal(v, before[1][k]) for k, v in optimizer.state[weight].items())
+
+
+def test_fit_loop_epoch_loop_batches_that_stepped_is_the_loggers_step_one_per_batch_not_per_optimizer_step():
+    from types import SimpleNamespace
+
+    from steadfast.compat import LightningChanged, logging_step
+    from tests.fixtures.kinds import KindData, TwoOptimizers
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3, limit_val_batches=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(TwoOptimizers(), KindData())
+    assert (logging_step(trainer), trainer.global_step) == (3, 6)  # 3 batches, 2 optimizer steps each
+    gone = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
+    with pytest.raises(LightningChanged, match=r"_batches_that_stepped.*Lightning \d"):
+        logging_step(gone)
+
+
+def test_lightning_cli_parse_ckpt_path_is_what_reads_a_checkpoints_hyperparameters():
+    """ParsesPlainLightningCheckpoints overrides LightningCLI._parse_ckpt_path: it must still be the method that
+    LightningCLI calls once the arguments are parsed, reading a checkpoint's hyper_parameters into the config (what
+    the override does with them: tests/test_plain_lightning.py)."""
+    import inspect
+
+    from lightning.pytorch.cli import LightningCLI
+
+    from steadfast.cli import CLI
+    from steadfast.compat import ParsesPlainLightningCheckpoints
+
+    assert "_parse_ckpt_path" in vars(LightningCLI), "LightningCLI no longer has _parse_ckpt_path"
+    assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI), "LightningCLI no longer calls it"
+    assert "hyper_parameters" in inspect.getsource(LightningCLI._parse_ckpt_path)
+    assert CLI.__mro__.index(ParsesPlainLightningCheckpoints) < CLI.__mro__.index(LightningCLI)
+
+
+def test_training_epoch_loop_broadcast_sigterm_tensor_and_signal_connector_sigterm_notifier_fn_replaced_for_a_fit():
+    """``sigterm_without_a_broadcast_per_batch``: under DDP Lightning calls
+    ``_TrainingEpochLoop._broadcast_sigterm_tensor`` at the start of every training batch (a broadcast and a host
+    read), and registers the instance's ``_SignalConnector._sigterm_notifier_fn`` as its SIGTERM handler, which
+    passes the signal on to the ranks the launcher started. Replaced on the instances, a batch starts without a
+    collective and a SIGTERM calls the engine's function (passed on once, Lightning's flag left alone); undone,
+    Lightning's own are back."""
+    import inspect
+    import signal
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    from steadfast.compat import LightningChanged, sigterm_without_a_broadcast_per_batch
+
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance), (
+        "_TrainingEpochLoop.advance no longer broadcasts the SIGTERM flag per batch (Lightning issue #21487 fixed?)"
+    )
+    assert "self._sigterm_notifier_fn" in inspect.getsource(_SignalConnector.register_signal_handlers)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    loop, connector, launcher = trainer.fit_loop.epoch_loop, trainer._signal_connector, mock.Mock()
+    seen: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+
+    def sigterm_then_batch_start() -> tuple[int, bool]:
+        """Two SIGTERMs, then a batch's start: the broadcasts it makes, and whether it stops."""
+        connector.register_signal_handlers()
+        try:
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        finally:
+            connector.teardown()
+        with mock.patch("torch.distributed.broadcast") as broadcast:
+            try:
+                loop._broadcast_sigterm_tensor()
+            except SIGTERMException:
+                return broadcast.call_count, True
+        return broadcast.call_count, False
+
+    with mock.patch.object(type(trainer.strategy), "launcher", mock.PropertyMock(return_value=launcher)):
+        undo = sigterm_without_a_broadcast_per_batch(trainer, lambda: seen.append("sigterm"))
+        assert sigterm_then_batch_start() == (0, False)  # no broadcast at the batch's start, no stop of this rank alone
+        assert seen == ["sigterm", "sigterm"] and not connector.received_sigterm
+        launcher.kill.assert_called_once_with(signal.SIGTERM)  # passed on to the other ranks, once
+        undo()
+        assert "_broadcast_sigterm_tensor" not in vars(loop) and "_sigterm_notifier_fn" not in vars(connector)
+        connector.received_sigterm = False
+        assert sigterm_then_batch_start() == (1, True)  # Lightning's own: a broadcast per batch (src=0), its stop
+        assert connector.received_sigterm and seen == ["sigterm", "sigterm"]  # Lightning's flag, set by its handler
+    assert signal.getsignal(signal.SIGTERM) is before
+    gone = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()), _signal_connector=connector)
+    with pytest.raises(LightningChanged, match=r"_broadcast_sigterm_tensor is gone.*Lightning \d"):
+        sigterm_without_a_broadcast_per_batch(gone, lambda: None)
+
+
+def _logged_means(other_rank: tuple[float, int] | None = None) -> tuple[dict, list, float]:
+    """Epoch values of a ``_ResultCollection`` of plain tensors (mean, sum, max, min; synced or not, ``rank_zero_only``)
+    and a logged ``MeanMetric``, as Lightning computes them at an epoch's end over 11 samples; the dtypes handed to
+    the sync function; the sum of the 11 values. ``other_rank``: ``(sum of values, samples)`` of a second rank whose
+    state a ``"mean"`` sync adds as gloo's ``_sync_ddp`` does (sum, then ``/ 2`` copied back into the tensor)."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+    from torchmetrics import MeanMetric
+
+    g = torch.Generator().manual_seed(0)
+    results, metric = _ResultCollection(training=False), MeanMetric()
+    handed: list[torch.dtype] = []
+
+    def reduce(tensor: torch.Tensor, reduce_op: str | None = None, group: object = None) -> torch.Tensor:
+        handed.append(tensor.dtype)
+        if other_rank is None or reduce_op != "mean":
+            return tensor
+        theirs = other_rank[len(handed) % 2 == 0]  # Lightning syncs a mean's value, then its count
+        return tensor.copy_((tensor + theirs) / 2)
+
+    total = 0.0
+    for batch_size in (4, 4, 3):
+        values = torch.rand(batch_size, generator=g) * 3
+        total += values.sum().item()
+        metric.update(values)
+        for name, kwargs in {
+            "mean": {}, "synced": {"sync_dist": True}, "rank_zero_only": {"sync_dist": True, "rank_zero_only": True},
+            "sum": {"reduce_fx": "sum", "sync_dist": True}, "max": {"reduce_fx": "max"}, "min": {"reduce_fx": "min"},
+        }.items():  # fmt: skip
+            results.log("validation_step", name, values.mean(), sync_dist_fn=reduce, batch_size=batch_size, **kwargs)
+        results.log("validation_step", "metric", metric, batch_size=batch_size)
+    return results.metrics(on_step=False)["callback"], handed, total
+
+
+def test_result_metric_compute_divides_by_a_synced_integer_count_and_the_patch_makes_it_a_float(monkeypatch):
+    """Lightning's ``_ResultMetric.compute`` hands ``value`` and the int64 ``cumulated_batch_size`` to the ``_Sync``
+    of ``_Metadata.sync`` (``should``, ``rank_zero_only``, ``group``; ``is_tensor``, ``is_mean_reduction``), and a
+    mean of integers over ranks truncates: what ``weigh_synced_means_by_samples`` casts. Two ranks of 11 and 10
+    samples stand in for a DDP run. A Lightning that no longer truncates fails here, and the patch can go."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    from steadfast import compat_logging
+    from steadfast.compat_logging import lightning_truncates_synced_counts, weigh_synced_means_by_samples
+
+    assert lightning_truncates_synced_counts(), (
+        "_ResultMetric.compute no longer syncs the integer cumulated_batch_size: drop weigh_synced_means_by_samples"
+    )
+    other = (10 * 2.0, 10)  # rank 1: 10 samples of 2.0
+    lightning, handed, total = _logged_means(other)
+    assert handed == [torch.float32, torch.int64, torch.float32]  # synced: value, count; sum: value
+    assert lightning["synced"].item() == pytest.approx((total + 20) / 20, rel=1e-6)  # 21 / 2 -> 10: / 20, not 21
+    monkeypatch.setattr(compat_logging, "_processes", lambda group: 2)  # the patch's test for a DDP run
+    own = _ResultMetric.compute
+    undo = weigh_synced_means_by_samples()
+    try:
+        assert weigh_synced_means_by_samples()() is None and _ResultMetric.compute is not own  # twice is once
+        patched, handed, _ = _logged_means(other)
+    finally:
+        undo()
+    assert _ResultMetric.compute is own, "not put back"
+    assert handed == [torch.float32, torch.float32, torch.float32]
+    assert patched["synced"].item() == pytest.approx((total + 20) / 21, rel=1e-6)
+    assert all(torch.equal(patched[k], lightning[k]) for k in lightning if k != "synced")  # Lightning's own path
+
+
+def test_synced_means_patch_leaves_single_process_values_bit_identical():
+    """On one process every logged value (mean, sum, max, min, synced or not, a ``Metric``) is bit-equal to what
+    Lightning's own ``_ResultMetric.compute`` gives."""
+    from steadfast.compat_logging import weigh_synced_means_by_samples
+
+    lightning, _, _ = _logged_means()
+    undo = weigh_synced_means_by_samples()
+    try:
+        patched, _, _ = _logged_means()
+    finally:
+        undo()
+    assert lightning.keys() == patched.keys() and all(torch.equal(lightning[k], patched[k]) for k in lightning)

@@ -1,0 +1,88 @@
+"""The samplers and loaders that make DDP evaluation exact and resumes land on the same batch (steadfast.loaders).
+The example's DataModule: tests/test_data.py."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from steadfast.loaders import ResumableDataLoader, ResumableSampler, TensorBatchDataset, make_loader
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [13, 17, 24])
+def test_eval_sampler_gives_every_index_to_exactly_one_rank(world, n):
+    data = TensorBatchDataset(torch.arange(n))
+    seen = [i for r in range(world) for i in ResumableSampler(data, world, r, shuffle=False, seed=0, pad=False)]
+    assert sorted(seen) == list(range(n))
+    assert sum(len(ResumableSampler(data, world, r, False, 0, False)) for r in range(world)) == n
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_train_sampler_pads_to_equal_lengths_and_shuffles_per_epoch(world):
+    data = TensorBatchDataset(torch.arange(17))
+    samplers = [ResumableSampler(data, world, r, shuffle=True, seed=5, pad=True) for r in range(world)]
+    lists = [list(s) for s in samplers]
+    assert len({len(x) for x in lists}) == 1 and set().union(*map(set, lists)) == set(range(17))
+    for s in samplers:
+        s.set_epoch(1)
+    assert [list(s) for s in samplers] != lists
+    for s in samplers:
+        s.set_epoch(0)
+    assert [list(s) for s in samplers] == lists  # a pure function of (seed, epoch)
+
+
+def test_loader_state_resumes_on_the_next_batch():
+    data = TensorBatchDataset(torch.arange(50), torch.arange(50))
+
+    def loader():
+        return ResumableDataLoader(data, sampler=ResumableSampler(data, 1, 0, True, 1, True), batch_size=8)
+
+    full = loader()
+    full.sampler.set_epoch(2)
+    expected = [x.tolist() for x, _ in full]
+    interrupted = loader()
+    interrupted.sampler.set_epoch(2)
+    it = iter(interrupted)
+    head = [next(it)[0].tolist() for _ in range(3)]
+    state = interrupted.state_dict()
+    # the seed too: a resumed run may have another; the samples all ranks consumed: a resume on other ranks
+    assert state == {"epoch": 2, "batches": 3, "seed": 1, "samples": 24}
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert head + [x.tolist() for x, _ in resumed] == expected
+    # saved at an epoch's end (ran out, or cut short by limit_train_batches: 3 of 7 batches): Lightning sets the next
+    # epoch before iterating, and that epoch starts from its first batch
+    nxt = loader()
+    nxt.sampler.set_epoch(3)
+    first_of_epoch_3 = [x.tolist() for x, _ in nxt]
+    for batches in (len(nxt), 3):
+        done = loader()
+        done.load_state_dict({"epoch": 2, "batches": batches})
+        done.sampler.set_epoch(3)
+        assert [x.tolist() for x, _ in done] == first_of_epoch_3
+
+
+def test_a_loader_with_another_sampler_resumes_by_dropping_the_consumed_batches():
+    """overfit_batches: Lightning rebuilds the train loader with a SequentialSampler; it still iterates and resumes."""
+    from torch.utils.data import SequentialSampler
+
+    data = TensorBatchDataset(torch.arange(20), torch.arange(20))
+    loader = ResumableDataLoader(data, sampler=SequentialSampler(data), batch_size=4)
+    expected = [x.tolist() for x, _ in loader]
+    assert expected == [list(range(i, i + 4)) for i in range(0, 20, 4)]
+    resumed = ResumableDataLoader(data, sampler=SequentialSampler(data), batch_size=4)
+    resumed.load_state_dict({"epoch": 0, "batches": 2})
+    assert [x.tolist() for x, _ in resumed] == expected[2:]
+
+
+def test_an_eval_set_smaller_than_the_ranks_is_refused_alike_on_every_rank():
+    # Lightning would stop the rank without a batch alone (a traceback) and the others would fail in a collective.
+    def loader(n: int, world: int, rank: int):
+        trainer = SimpleNamespace(world_size=world, global_rank=rank, lightning_module=None, strategy=None)
+        return make_loader(TensorBatchDataset(torch.zeros(n, 1), torch.zeros(n)), trainer, train=False, seed=0)
+
+    for rank in range(3):
+        with pytest.raises(ValueError, match=r"has 2 sample\(s\), fewer than the 3 ranks.*on 2 device"):
+            loader(2, 3, rank)
+        assert len(loader(3, 3, rank)) == 1  # as many samples as ranks: one each

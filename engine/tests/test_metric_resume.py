@@ -1,0 +1,45 @@
+"""An epoch's torchmetrics state survives a mid-epoch resume (steadfast.resume), for a module that does
+nothing for it, and stays out of the module's weights."""
+
+import pytest
+import torch
+
+from tests.helpers import QUIET, cli_in_process, scalars
+
+
+def test_a_mid_epoch_resume_logs_the_uninterrupted_runs_epoch_metric(tmp_path):
+    path = tmp_path / "metric.yaml"
+    path.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args:\n"
+        "        save_top_k: 0\n        save_last: true\n        enable_version_counter: false\n"
+        "        every_n_train_steps: 4\n"
+        "model:\n  class_path: tests.fixtures.metric_module.MetricModel\n"
+        "data:\n  class_path: tests.fixtures.metric_module.MetricData\n"
+    )
+    # batch_size too: the base config's data.init_args.batch_size (64) carries over to any data class that has one
+    args = [
+        "--config",
+        str(path),
+        *QUIET,
+        "--data.batch_size",
+        "8",
+        "--run.monitor",
+        "null",
+        "--trainer.max_epochs",
+        "2",
+    ]
+    cli_in_process("fit", *args, root=tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *args, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=18",
+                       root=tmp_path / "resumed")  # fmt: skip
+    (run,) = (tmp_path / "resumed" / "metric").glob("version_*")
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    done = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"]
+    assert saved["global_step"] == 16 and 0 < done < 12  # mid-epoch: epoch 1, 4 of its 12 batches
+    assert not any("train_acc" in key for key in saved["state_dict"])  # the weights alone
+    cli_in_process("fit", *args, "--ckpt_path", "last", root=tmp_path / "resumed")
+
+    (reference,) = (tmp_path / "reference" / "metric").glob("version_*")
+    expected, got = scalars(reference)["train/acc"], scalars(run)["train/acc"]
+    print(f"train/acc uninterrupted {expected}, resumed {got}")
+    assert len(expected) == 2 and got[-1] == expected[-1]  # epoch 1's value, over all 12 batches

@@ -1,0 +1,96 @@
+"""A project that used plain Lightning brings its checkpoints: one written by ``Trainer.fit`` without the engine is
+validated, tested, exported and resumed by the engine's CLI (the resume said to be inexact: no engine state)."""
+
+import lightning as L
+import pytest
+import torch
+
+from steadfast.checkpoint_files import load_checkpoint_file
+from steadfast.export import example_inputs
+from tests.fixtures.stand_in import BlobsDataModule, StandIn
+from tests.helpers import PYTHONPATH, QUIET, REPO, cli
+
+SMALL = ["--model.net.init_args.hidden_sizes", "[32]", "--model.lr", "0.01"]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """A checkpoint of plain Lightning (no CLI, no engine) of a non-default StandIn, and its own validation."""
+    from tests.fixtures.stand_in import MLP
+
+    folder = tmp_path_factory.mktemp("plain")
+    L.seed_everything(0)
+    model, data = StandIn(net=MLP(hidden_sizes=[32]), lr=0.01), BlobsDataModule()
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(model, data)
+    trainer.save_checkpoint(folder / "plain.ckpt")
+    evaluator = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    (metrics,) = evaluator.validate(model, data, verbose=False)  # the oracle: plain Lightning's own numbers
+    return folder, metrics
+
+
+@pytest.mark.slow
+def test_validate_and_resume_a_plain_lightning_checkpoint(plain, tmp_path):
+    folder, oracle = plain
+    ckpt = folder / "plain.ckpt"
+    assert "_class_path" not in load_checkpoint_file(ckpt)["hyper_parameters"]  # the precondition: not the CLI's
+    proc = cli("validate", *QUIET, *SMALL, "--ckpt_path", str(ckpt), cwd=tmp_path, check=False)
+    assert proc.returncode == 0 and "Parsing of ckpt_path" not in proc.stderr, proc.stderr[-2000:]
+    logged = {line.split()[1]: float(line.split()[3]) for line in proc.stdout.splitlines()
+              if line.startswith("│") and "val/" in line}  # fmt: skip
+    assert logged["val/acc"] == pytest.approx(oracle["val/acc"], rel=1e-6), (logged, oracle)
+    assert logged["val/loss"] == pytest.approx(oracle["val/loss"], rel=1e-6), (logged, oracle)
+
+    proc = cli("fit", *QUIET, *SMALL, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3",
+               "--trainer.limit_val_batches", "2", "--ckpt_path", str(ckpt), cwd=tmp_path)  # fmt: skip
+    (line,) = [line for line in proc.stdout.splitlines() if "exact resume:" in line]
+    assert "exact resume: see opts out" in line and "holds no resume state of the engine's" in line, line
+    (last,) = tmp_path.glob("runs/*/version_*/checkpoints/last.ckpt")
+    assert load_checkpoint_file(last)["global_step"] == 6  # continued from the plain run's 3 steps
+
+
+@pytest.mark.slow
+@pytest.mark.long  # CI and make test-all
+def test_export_a_plain_lightning_checkpoint_with_a_config_naming_its_class(plain, tmp_path):
+    import subprocess
+    import sys
+
+    folder, _ = plain
+    config = tmp_path / "model.yaml"
+    config.write_text("model:\n  class_path: tests.fixtures.stand_in.StandIn\n  init_args:\n    net:\n"
+                      "      class_path: tests.fixtures.stand_in.MLP\n      init_args: {hidden_sizes: [32]}\n"
+                      "data: tests.fixtures.stand_in.BlobsDataModule\n")  # fmt: skip
+    export = [sys.executable, str(REPO / "scripts" / "export.py"), str(folder / "plain.ckpt"), "--format", "pth"]
+    env = {"PYTHONPATH": PYTHONPATH}
+    refused = subprocess.run([*export, "--out", str(tmp_path / "a")], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "give --config FILE" in refused.stderr, refused.stderr
+    done = subprocess.run([*export, "--out", str(tmp_path / "b"), "--config", str(config)], env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    # the net comes from the config (StandIn leaves it out of save_hyperparameters), lr from the checkpoint's
+    saved = load_checkpoint_file(folder / "plain.ckpt")["state_dict"]
+    written = torch.load(tmp_path / "b" / "model.pth", weights_only=True)
+    assert written.keys() == saved.keys() and all(torch.equal(written[k], v) for k, v in saved.items())
+
+
+class TwoInputs(L.LightningModule):
+    """Lightning's demo transformer's signature: ``forward(inputs, target)``, batches ``(inputs, target)``."""
+
+    def forward(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return inputs * target
+
+
+def test_a_forward_of_two_inputs_is_traced_on_a_batchs_first_two_elements(monkeypatch):
+    batch = (torch.arange(6.0).reshape(3, 2), torch.ones(3, 2), torch.zeros(3))
+
+    class Data(L.LightningDataModule):
+        def predict_dataloader(self):
+            return [batch]
+
+    import steadfast.export as export
+
+    monkeypatch.setattr(export, "build", lambda recipe, kind: Data())
+    (args, kwargs), said = example_inputs(TwoInputs(), {"data": "x.Data"})
+    assert len(args) == 2 and torch.equal(args[0], batch[0][:2]) and torch.equal(args[1], batch[1][:2]), args
+    assert kwargs == {} and "its first 2 elements as forward's 2 inputs" in said

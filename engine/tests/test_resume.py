@@ -1,0 +1,215 @@
+"""Killed and resumed runs end bit-for-bit where uninterrupted runs end (weights, per-step loss and LR)."""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from steadfast.run_checkpoints import is_loadable, read_global_step
+from tests.faults import kill_at
+from tests.helpers import PYTHONPATH, DDP2, QUIET, REPO, STAND_IN, cli, newest_checkpoint, run_dirs, saved_steps, scalars
+
+pytestmark = pytest.mark.slow
+
+# A last.ckpt writer every 50 optimizer steps besides the default ones (the best 3 and every 2 epochs at epoch ends,
+# last.ckpt every 10 minutes, which these runs never reach, and at the end), so that a mid-epoch checkpoint exists.
+EVERY_50 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=50",
+            "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
+            "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+# 3 epochs of 20 steps; checkpoints at epoch ends (steps 20, 40, 60) and last.ckpt at step 50.
+BASE = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "3", "--model.warmup", "1", *EVERY_50]
+# The same run with two loader workers, kept between epochs.
+WORKERS = [*BASE, "--data.num_workers", "2", "--data.persistent_workers", "true"]
+# 2 ranks x batch 48: 14 steps per epoch, so step 50 is mid-epoch (epoch 3, batch 8).
+DDP = [*QUIET, *DDP2, "--trainer.max_epochs", "4", "--trainer.limit_val_batches", "3", "--model.warmup", "1",
+       "--data.batch_size", "48", *EVERY_50]  # fmt: skip
+
+
+def seeded_random(what: str) -> random.Random:
+    """A new draw each run, printed (pytest shows it when the test fails) and repeatable with TEST_SEED=<seed>."""
+    seed = int(os.environ.get("TEST_SEED", random.SystemRandom().randrange(2**32)))
+    print(f"{what} drawn with TEST_SEED={seed}")
+    return random.Random(seed)
+
+
+def final_state(cwd):
+    (run,) = run_dirs(cwd)
+    return run, torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+EPOCH_TRAIN_METRICS = ("train/acc", "train/loss_epoch")
+
+
+def assert_same_run(reference_dir, resumed_dir, tags=("train/loss", "lr", "val/acc", "val/loss", *EPOCH_TRAIN_METRICS)):
+    ref_run, ref = final_state(reference_dir)
+    run, got = final_state(resumed_dir)
+    assert got["global_step"] == ref["global_step"]
+    weights = {k: v for k, v in ref["state_dict"].items() if k.startswith("net.")}
+    diffs = {k: (got["state_dict"][k] - v).abs().max().item() for k, v in weights.items()}
+    assert all(torch.equal(got["state_dict"][k], v) for k, v in weights.items()), f"max |dw|: {diffs}"
+    ref_logged, logged = scalars(ref_run), scalars(run)
+    for tag in tags:
+        assert logged[tag] == ref_logged[tag], tag  # same steps, same float values
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    cli("fit", *BASE, cwd=cwd)
+    return cwd
+
+
+def interrupted_then_resumed(cwd, args, step, sig=9):
+    proc = cli("fit", *args, *kill_at(step, sig), cwd=cwd, check=False)
+    assert proc.returncode == -sig, proc.stderr[-2000:]
+    cli("fit", *args, "--ckpt_path", "last", cwd=cwd)
+
+
+@pytest.mark.long  # CI and make test-all; epoch-end resumes: test_resume_flags.py's case in make test
+def test_resume_from_epoch_end_checkpoint_is_exact(uninterrupted, tmp_path):
+    interrupted_then_resumed(tmp_path, BASE, step=45)  # the newest checkpoint: the end of epoch 2 (step 40)
+    assert_same_run(uninterrupted, tmp_path)
+
+
+def killed_mid_epoch_then_resumed(cwd, args) -> None:
+    # settle: the test names the newest checkpoint; without it a loaded machine may still be writing it when the kill
+    # comes, leaving an older one (which a resume handles, as the random-step test checks)
+    proc = cli("fit", *args, *kill_at(55, settle=True), cwd=cwd, check=False)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    last = torch.load(run_dirs(cwd)[0] / "checkpoints" / "last.ckpt", weights_only=True)
+    progress = last["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    assert last["global_step"] == 50 and 0 < progress["current"]["completed"] < 20  # mid-epoch (epoch 3 of 20)
+    cli("fit", *args, "--ckpt_path", "last", cwd=cwd)
+
+
+def test_resume_from_mid_epoch_checkpoint_is_exact(uninterrupted, tmp_path):
+    killed_mid_epoch_then_resumed(tmp_path, BASE)
+    assert_same_run(uninterrupted, tmp_path)
+
+
+@pytest.mark.long  # CI and make test-all; the mid-epoch resume again, with workers
+def test_resume_with_loader_workers_is_exact(uninterrupted, tmp_path):
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir()
+    resumed.mkdir()
+    cli("fit", *WORKERS, cwd=reference)
+    killed_mid_epoch_then_resumed(resumed, WORKERS)
+    assert_same_run(reference, resumed)  # the same run with workers, uninterrupted
+    assert_same_run(uninterrupted, resumed)  # and without them: workers change nothing
+
+
+@pytest.mark.long  # CI and make test-all; epoch-end and mid-epoch resumes are in make test
+def test_resume_at_a_random_step_is_exact(uninterrupted, tmp_path):
+    step = seeded_random("kill step").randint(21, 59)
+    interrupted_then_resumed(tmp_path, BASE, step=step)
+    assert_same_run(uninterrupted, tmp_path)
+
+
+def test_two_rank_ddp_resume_mid_epoch_is_exact(tmp_path):
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir()
+    resumed.mkdir()
+    cli("fit", *DDP, cwd=reference)
+    interrupted_then_resumed(resumed, DDP, step=53)
+    # The epoch-level train metrics of the resumed epoch are not exact under DDP: the checkpoint holds rank 0's
+    # metric state only, which every rank restores. Weights, per-step loss, LR and validation are.
+    assert_same_run(reference, resumed, tags=("train/loss", "lr", "val/acc", "val/loss"))
+
+
+def test_sigterm_saves_last_and_exits_143_and_the_resume_is_exact(uninterrupted, tmp_path):
+    proc = cli("fit", *BASE, *kill_at(33, signal.SIGTERM), cwd=tmp_path, check=False)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    (run,) = run_dirs(tmp_path)
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] in (
+        33,
+        34,
+    )  # stops after the batch in flight
+    cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
+    assert_same_run(uninterrupted, tmp_path)
+
+
+@pytest.mark.long  # CI and make test-all; a signal's save and resume: the SIGTERM test
+def test_ctrl_c_saves_last_and_exits_130_and_the_resume_is_exact(uninterrupted, tmp_path):
+    proc = cli("fit", *BASE, *kill_at(27, signal.SIGINT), cwd=tmp_path, check=False)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "Interrupted: saved" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    (run,) = run_dirs(tmp_path)
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] in (27, 28)
+    cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
+    assert_same_run(uninterrupted, tmp_path)
+
+
+@pytest.mark.long  # CI and make test-all; Ctrl-C at an epoch's last batch: validation would cut it short
+def test_ctrl_c_at_an_epochs_last_batch_finishes_its_validation_then_saves_last(uninterrupted, tmp_path):
+    # Step 39 is epoch 1's last batch: Lightning's stop would land after the first batch of the validation that
+    # follows, where no checkpoint resumes exactly. (CI saw this as a Ctrl-C under DDP that left no last.ckpt.)
+    proc = cli("fit", *BASE, *kill_at(39, signal.SIGINT), cwd=tmp_path, check=False)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "Interrupted: saved" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    (run,) = run_dirs(tmp_path)
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 40
+    assert [step for step, _ in scalars(run)["val/acc"]] == [19, 39]  # epoch 1's validation ran, whole
+    cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
+    assert_same_run(uninterrupted, tmp_path)
+
+
+@pytest.mark.long  # CI and make test-all; SIGTERM again, in validation
+def test_sigterm_during_validation_keeps_the_last_checkpoint_and_the_resume_is_exact(uninterrupted, tmp_path):
+    fault = ["--trainer.callbacks+=tests.faults.SignalInValidation", "--trainer.callbacks.epoch=1"]
+    proc = cli("fit", *BASE, *fault, cwd=tmp_path, check=False)
+    assert proc.returncode == 143 and "Preempted during validation" in proc.stdout + proc.stderr
+    (run,) = run_dirs(tmp_path)
+    assert max(saved_steps(run).values()) == 20  # nothing saved after epoch 0's end
+    cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
+    assert_same_run(uninterrupted, tmp_path)  # epoch 1's validation point is there, once
+
+
+@pytest.mark.long  # CI and make test-all; unreadable checkpoints: tests/test_bad_input.py
+def test_truncated_checkpoint_names_the_file_and_last_picks_a_good_one(uninterrupted, tmp_path):
+    proc = cli("fit", *BASE, *kill_at(45, settle=True), cwd=tmp_path, check=False)
+    (run,) = run_dirs(tmp_path)
+    last = newest_checkpoint(run)  # step 40 (the end of epoch 2): best 3 and every 2 epochs, one file, two names
+    data = last.read_bytes()
+    last.write_bytes(data[: seeded_random("truncation length").randint(1, len(data) - 1)])  # in place: both names
+    intact = [read_global_step(p) for p in (run / "checkpoints").glob("*.ckpt") if is_loadable(p)]
+    assert max(intact) == 20  # the oracle: what is left readable (the linked name of step 40 is damaged too)
+    proc = cli("fit", *BASE, "--ckpt_path", str(last), cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert f"{last} is not a readable checkpoint" in proc.stderr and "newest other checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert "resuming from" in out and f"global step {max(intact)}" in out  # the truncated files were skipped
+    assert_same_run(uninterrupted, tmp_path)
+
+
+@pytest.mark.long  # CI and make test-all; torchrun restarts: ~60 s
+def test_restart_launcher_recovers_from_a_worker_crash_exactly(tmp_path):
+    """The restart loop starts both ranks again after rank 1 dies; they resume from last.ckpt."""
+    reference, crashed = tmp_path / "reference", tmp_path / "crashed"
+    reference.mkdir()
+    crashed.mkdir()
+    cli("fit", *DDP, cwd=reference)
+    fault = kill_at(33, rank=1, once_marker=tmp_path / "crashed-once")
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "PYTHON": sys.executable, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "train_resilient.sh"), "--max-restarts", "2", *STAND_IN, *DDP, *fault],
+        cwd=crashed, env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    (tmp_path / "launcher.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"see {tmp_path / 'launcher.log'}: {proc.stderr[-2000:]}"
+    assert (tmp_path / "crashed-once").exists()  # the fault did fire
+    # the restart says which rank died and from what it resumes, in one line, and resumes from exactly that
+    restart = re.search(
+        r"train_resilient: exit code 1: rank 1 was killed by SIGKILL \(kill -9, or out of memory\); newest complete"
+        r" checkpoint, intact: (\S+) \(step (\d+)\); restart 1 of 2 from the newest checkpoint",
+        proc.stderr,
+    )
+    assert restart, proc.stderr[-3000:]
+    assert f"resuming from {restart[1]} (global step {restart[2]})" in proc.stdout + proc.stderr
+    assert_same_run(reference, crashed, tags=("train/loss", "lr", "val/acc", "val/loss"))

@@ -1,0 +1,53 @@
+"""Run folders: where a run goes, what `--ckpt_path last` picks, and which run a resume continues."""
+
+import os
+
+import pytest
+import torch
+from jsonargparse import Namespace
+
+from steadfast.runs import default_name, plan_run
+from tests.helpers import RUN_NAME
+
+
+@pytest.mark.parametrize(
+    ("class_path", "name"),
+    [("tests.fixtures.stand_in.BlobsDataModule", "blobs"), ("x.MNIST1DDataModule", "mnist1d"),
+     ("x.ImageNetData", "image_net"), ("x.CIFAR10", "cifar10"), (None, "runs")],
+)  # fmt: skip
+def test_runs_are_named_after_the_data_module(class_path, name):
+    assert default_name(class_path) == name
+
+
+def config(root, ckpt_path=None):
+    return Namespace(run=Namespace(root=str(root), name=None), data=Namespace(class_path="p.BlobsDataModule"),
+                     ckpt_path=ckpt_path, trainer=Namespace(logger=None))  # fmt: skip
+
+
+def save(path, step, mtime):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": {}, "global_step": step}, path)
+    os.utime(path, (mtime, mtime))
+
+
+def test_last_is_the_newest_checkpoint_of_any_run_slurms_included_and_fit_continues_its_run(tmp_path):
+    family = tmp_path / RUN_NAME
+    save(family / "version_0" / "checkpoints" / "last.ckpt", 10, 1000)
+    save(family / "version_1" / "checkpoints" / "last.ckpt", 20, 2000)
+    save(family / "version_1" / "hpc_ckpt_1.ckpt", 25, 3000)  # SIGUSR1 under SLURM: written into the run folder
+    cfg = config(tmp_path, "last")
+    plan = plan_run(cfg, "fit")
+    assert cfg.ckpt_path == str(family / "version_1" / "hpc_ckpt_1.ckpt")
+    assert (plan.dir, plan.continues, plan.global_step) == (family / "version_1", True, 25)
+    # validate/test/predict of it, and fit from a best checkpoint, get a new version: the run is never written into
+    assert plan_run(config(tmp_path, "last"), "validate").dir == family / "version_2"
+    save(family / "version_1" / "checkpoints" / "best.ckpt", 15, 4000)
+    plan = plan_run(config(tmp_path, str(family / "version_1" / "checkpoints" / "best.ckpt")), "fit")
+    assert (plan.dir, plan.continues) == (family / "version_3", False)  # version_2 is the validate's: claimed
+
+
+def test_last_with_no_checkpoint_starts_a_new_version(tmp_path):
+    (tmp_path / RUN_NAME / "version_4").mkdir(parents=True)
+    cfg = config(tmp_path, "last")
+    assert plan_run(cfg, "fit").dir == tmp_path / RUN_NAME / "version_5"
+    assert cfg.ckpt_path is None

@@ -1,0 +1,80 @@
+"""Augmentation drawn in loader workers from the global generators (tests/fixtures/augment.py) resumes exactly:
+each training sample's draws are a function of (seed, epoch, index), whatever worker or how many fetch it."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from steadfast.loaders import ResumableSampler
+from steadfast.sample_seeds import can_seed, sample_seed, worker_init
+from tests.faults import kill_at
+from tests.fixtures.augment import Augmented, AugmentedBlobs
+from tests.helpers import QUIET, cli, run_dirs
+
+
+def batches(workers: int, epoch: int, skip: int = 0, persistent: bool = False, seeded: bool = True) -> list:
+    data = AugmentedBlobs()
+    data.setup("fit")
+    dataset = Augmented(data.splits["train"])
+    sampler = ResumableSampler(dataset, 1, 0, shuffle=True, seed=7, pad=True, epoch_in_keys=seeded)
+    sampler.set_epoch(epoch)
+    sampler.skip = skip
+    init = worker_init(7, None) if seeded else None
+    loader = DataLoader(dataset, batch_size=16, sampler=sampler, num_workers=workers, worker_init_fn=init,
+                        persistent_workers=persistent)  # fmt: skip
+    out = []
+    for i, (x, _) in enumerate(loader):
+        out.append(x)
+        if i == 5:
+            break
+    return out
+
+
+@pytest.mark.slow  # loader worker processes
+def test_each_samples_draws_depend_on_seed_epoch_and_index_only():
+    one, two = batches(1, epoch=3), batches(2, epoch=3)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))  # 1 or 2 workers: the same samples
+    resumed = batches(2, epoch=3, skip=2 * 16)  # a resume two batches in: fresh workers, the same draws
+    assert all(torch.equal(a, b) for a, b in zip(one[2:], resumed, strict=False))
+    assert not torch.equal(batches(2, epoch=4)[0], one[0])  # another epoch: other draws
+    # the oracle that it matters: without the seeding, 1 and 2 workers augment differently
+    plain_one, plain_two = batches(1, epoch=3, seeded=False), batches(2, epoch=3, seeded=False)
+    assert not all(torch.equal(a, b) for a, b in zip(plain_one, plain_two, strict=True))
+
+
+def test_seeds_differ_for_neighbouring_samples_and_epochs_and_datasets_that_cannot_change_class_are_left():
+    seeds = {sample_seed(0, e, i) for e in range(20) for i in range(500)}
+    assert len(seeds) == 20 * 500
+    assert not can_seed([1, 2, 3]) and can_seed(Augmented(list(range(3))))
+
+
+AUG = [*QUIET, "--data", "tests.fixtures.augment.AugmentedBlobs", "--data.num_workers", "2",
+       "--data.persistent_workers", "true", "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "6",
+       "--trainer.limit_val_batches", "2", "--model.warmup", "1",
+       "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
+       "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
+       "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+
+
+def final_weights(cwd):
+    (run,) = run_dirs(cwd, "augmented_blobs")
+    state = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    return state["global_step"], {k: v for k, v in state["state_dict"].items() if k.startswith("net.")}
+
+
+@pytest.mark.slow
+# newest checkpoint: step 8 (mid-epoch 2), step 12 (epoch 2's end: CI and make test-all)
+@pytest.mark.parametrize("step", [10, pytest.param(13, marks=pytest.mark.long)])
+def test_a_kill_and_resume_with_persistent_augmenting_workers_is_exact(tmp_path, step):
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir(), resumed.mkdir()
+    proc = cli("fit", *AUG, cwd=reference)
+    assert "exact resume: yes" in proc.stdout, proc.stdout[-2000:]
+    killed = cli("fit", *AUG, *kill_at(step, settle=True), cwd=resumed, check=False)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    saved = torch.load(run_dirs(resumed, "augmented_blobs")[0] / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == (8 if step == 10 else 12)  # the precondition: where the resume starts
+    cli("fit", *AUG, "--ckpt_path", "last", cwd=resumed)
+    (ref_step, want), (got_step, got) = final_weights(reference), final_weights(resumed)
+    diffs = {k: (got[k] - v).abs().max().item() for k, v in want.items()}
+    assert ref_step == got_step == 18 and all(torch.equal(got[k], v) for k, v in want.items()), diffs
