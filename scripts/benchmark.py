@@ -40,14 +40,14 @@ def make_spec(args: argparse.Namespace) -> dict[str, Any]:
     """What every side runs, from configs/default.yaml over the classes' defaults, with the command line's changes."""
     import yaml
 
+    from project.__main__ import BASE_CONFIGS
     from project.data import DigitsDataModule
-    from steadfast.config import default_config_candidates, find_default_config
     from project.module import Classifier
     from project.nets import MLP
 
-    path = find_default_config() or REPO / "configs" / "default.yaml"
+    path = next((p for p in BASE_CONFIGS if p.is_file()), BASE_CONFIGS[0])
     if not path.is_file():
-        looked = ", ".join(dict.fromkeys(map(str, [*default_config_candidates(), path])))
+        looked = ", ".join(dict.fromkeys(map(str, BASE_CONFIGS)))
         raise SystemExit(f"error: no configs/default.yaml at {looked}: run this from the project folder")
     args.config = path
     config = yaml.safe_load(path.read_text())

@@ -85,7 +85,7 @@ def stall_pairs(megabytes: float, repeats: int, folder: Path) -> dict:
 
 def fit_once(args: list[str], out: Path) -> None:
     """Worker: one in-process fit, its duration written to ``out``."""
-    from steadfast.cli import cli_main
+    from project.__main__ import main as cli_main  # python -m project: its base config
 
     start = time.perf_counter()
     cli = cli_main(["fit", *args])

@@ -172,7 +172,7 @@ def contexts_per_step(hidden: list[int], loader: DataLoader) -> float:
     import io
     import tempfile
 
-    from steadfast.cli import cli_main
+    from project.__main__ import main as cli_main  # python -m project: its base config
 
     with unittest.mock.patch.object(sys, "argv", sys.argv[:1]):  # the CLI parses its args, not this script's
         cli = cli_main(["--trainer.logger", "false", "--trainer.enable_progress_bar", "false"], run=False)

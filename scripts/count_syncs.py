@@ -131,7 +131,7 @@ def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str])
         with unittest.mock.patch.object(benchmark_lightning.L, "Trainer", with_counter), split_over_ranks(world, rank):
             benchmark_lightning.main(rank_file(out.with_name("timer.json"), rank), spec)
         return
-    from steadfast.cli import cli_main
+    from project.__main__ import main as cli_main  # python -m project: its base config
 
     args = ["fit", "--trainer.max_epochs", str(spec["epochs"]), "--run.root", str(out.parent / "runs")]
     args += [*DDP_TEMPLATE, "--trainer.devices", str(world)] if world > 1 else []

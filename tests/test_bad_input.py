@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow  # a real run of the CLI in a subprocess
 
 def test_a_val_fraction_that_leaves_no_val_sample_stops_before_training(tmp_path):
     args = [*QUIET, "--trainer.max_epochs", "1", "--data.val_fraction", "0.0005"]
-    proc = cli("fit", *args, cwd=tmp_path, check=False, timeout=120, example=True)
+    proc = cli("fit", *args, cwd=tmp_path, check=False, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     error = proc.stderr[proc.stderr.rindex("error: ") :]  # the last thing printed
     # int(0.0005 * 1797) = 0 digits; 0.0006 is the smallest fraction of four decimals that leaves one (1.08)

@@ -15,10 +15,10 @@ def test_rank_zero_writes_sample_predictions_once(tmp_path):
     train.mkdir()
     validate.mkdir()
     cli("fit", *QUIET, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches",
-        "1", cwd=train, example=True)  # fmt: skip
+        "1", cwd=train)  # fmt: skip
     (trained,) = run_dirs(train, "digits")
     checkpoint = trained / "checkpoints" / "last.ckpt"
-    cli("validate", *QUIET, *DDP2, "--ckpt_path", str(checkpoint), cwd=validate, timeout=240, example=True)
+    cli("validate", *QUIET, *DDP2, "--ckpt_path", str(checkpoint), cwd=validate, timeout=240)
     (run,) = run_dirs(validate, "digits")
     assert len(list(run.glob("events.out.tfevents.*"))) == 1
     events = EventAccumulator(str(run), size_guidance={"images": 0, "tensors": 0})

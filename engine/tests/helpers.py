@@ -2,15 +2,15 @@
 or in this process, read what a run wrote. Fixtures live in ``conftest.py``."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+from steadfast.testing import DDP2, QUIET, run_cli, scalars
+from steadfast.testing import run_dirs as _run_dirs
+
 ENGINE = Path(__file__).resolve().parents[1]  # engine/: its tests import as `tests` from here
 REPO = ENGINE.parent  # the template checkout, whose configs/ and scripts/ some engine tests run
-# Small, quiet runs: the real Trainer and CLI, just fewer epochs and no progress bar in the logs.
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-DDP2 = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+__all__ = ["DDP2", "QUIET", "scalars"]
 # What the engine tests train, unless they name their own classes: the stand-in (tests/fixtures/stand_in.py), not the
 # example, so that editing or deleting the example breaks only tests/. Flags given after it replace it.
 STAND_IN = ["--model", "tests.fixtures.stand_in.StandIn", "--data", "tests.fixtures.stand_in.BlobsDataModule"]
@@ -32,31 +32,11 @@ def cli(*args: str, cwd: Path, timeout: float = 300, check: bool = True, env: di
     """Runs ``python -m project ARGS`` in ``cwd`` (runs/ lands there) and returns the CompletedProcess; it trains
     the stand-in unless ``args`` name other classes, or ``example=True`` (the base config's example)."""
     args = with_stand_in(args, example)
-    full_env = {**os.environ, "PYTHONPATH": PYTHONPATH, "PYTHONWARNINGS": "ignore", **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-m", "project", *args],
-        cwd=cwd,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"CLI {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar TensorBoard shows for ``run_dir``, as ``{tag: [(step, value), ...]}``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return run_cli("project", *args, cwd=cwd, pythonpath=PYTHONPATH, timeout=timeout, check=check, env=env)
 
 
 def run_dirs(cwd: Path, name: str = RUN_NAME) -> list[Path]:
-    return sorted((cwd / "runs" / name).glob("version_*"))
+    return _run_dirs(cwd, name)
 
 
 def newest_checkpoint(run_dir: Path) -> Path:

@@ -19,7 +19,8 @@ from torch import nn
 from steadfast.checkpoint_files import load_checkpoint_file
 from steadfast.export import export
 from steadfast.weights import build
-from tests.helpers import PYTHONPATH, REPO, RUN_NAME, run_onnx, with_stand_in
+from steadfast.testing import lightning_model, load_exported
+from tests.helpers import PYTHONPATH, REPO, RUN_NAME, with_stand_in
 
 # the stand-in with each of its nets (tests/fixtures/stand_in.py), by class name
 NETS = {
@@ -52,13 +53,6 @@ def make_run(root: Path, model_args: list[str], family: str = RUN_NAME, example:
     return run / "checkpoints" / "last.ckpt"
 
 
-def lightning_model(ckpt: Path) -> LightningModule:
-    """The oracle: the config's module with the checkpoint's state_dict, as Lightning's predict would run it."""
-    module = build(yaml.safe_load((ckpt.parent.parent / "config.yaml").read_text())["model"], LightningModule)
-    module.load_state_dict(load_checkpoint_file(ckpt)["state_dict"])
-    return module.eval()
-
-
 @pytest.fixture(scope="module", params=list(NETS))
 def exported(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
@@ -67,25 +61,7 @@ def exported(request, tmp_path_factory):
     return request.param, lightning_model(ckpt), {p.suffix[1:]: p for p in paths}
 
 
-def run_safetensors(path: Path):
-    from steadfast.weights import load_net
-
-    net = load_net(path)
-    return lambda x: net(x)
-
-
-def run_pt2(path: Path):
-    program = torch.export.load(path).module()
-    return lambda x: program(x)
-
-
-def run_pth(path: Path):
-    module = build(json.loads(path.with_suffix(".json").read_text()))
-    module.load_state_dict(torch.load(path, weights_only=True))
-    return module.eval()
-
-
-RUNNERS = {"safetensors": run_safetensors, "onnx": run_onnx, "pt2": run_pt2, "pth": run_pth}
+RUNNERS = dict.fromkeys(("safetensors", "onnx", "pt2", "pth"), load_exported)  # each a function of one input
 
 
 @pytest.mark.parametrize("fmt", list(RUNNERS))

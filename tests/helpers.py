@@ -1,0 +1,13 @@
+"""What this project's tests share: its command line run for real (``python -m project``), and the run's files."""
+
+from pathlib import Path
+
+from steadfast.testing import DDP2, QUIET, run_cli, run_dirs, scalars
+
+REPO = Path(__file__).resolve().parent.parent
+__all__ = ["DDP2", "QUIET", "REPO", "cli", "run_dirs", "scalars"]
+
+
+def cli(*args: str, cwd: Path, **kwargs):
+    """``python -m project ARGS`` in ``cwd``: the base config's model and data unless ``args`` name others."""
+    return run_cli("project", *args, cwd=cwd, pythonpath=str(REPO), **kwargs)
