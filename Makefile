@@ -27,17 +27,25 @@ setup: $(BIN)/.installed  ## create .venv with torch, the project and the dev to
 train: setup  ## train the default config (extra flags: make train ARGS="--trainer.devices 4")
 	$(BIN)/python -m project fit $(ARGS)
 
-test: setup  ## every guarantee once, multi-process tests included (~8 min); test-all adds the rest
+test: setup  ## your tests and the engine's self-check on your module (~2 min); make test-long adds the rest
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m "not long" $(ARGS)
+# template-only:start (the engine's own suite, engine/tests, stays with the engine: the template runs it, copies don't)
+	cd engine && ../$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m "not long" $(ARGS)
+# template-only:end
 
 test-fast: setup  ## the in-process tests only (~1 min)
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" $(ARGS)
+# template-only:start
+	cd engine && ../$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" $(ARGS)
+# template-only:end
 
 test-long: setup  ## only what make test leaves out (marked long): the same guarantees in other settings
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m long $(ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m long $(ARGS) || [ $$? = 5 ]  # 5: none marked long
+# template-only:start
+	cd engine && ../$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m long $(ARGS)
+# template-only:end
 
-test-all: setup  ## the whole suite: make test and make test-long together (~20 min; CI runs both)
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile $(ARGS)
+test-all: test test-long  ## the whole suite: make test and make test-long (CI runs both)
 
 test-oldest:  ## the fast tests on the oldest versions pyproject.toml allows, in .venv-oldest (CI runs it)
 	$(PYTHON) -m venv .venv-oldest
@@ -47,6 +55,9 @@ test-oldest:  ## the fast tests on the oldest versions pyproject.toml allows, in
 	.venv-oldest/bin/pip install --quiet -c .venv-oldest/constraints.txt -e ./engine -e ".[dev]"
 	.venv-oldest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
 	.venv-oldest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
+# template-only:start
+	cd engine && ../.venv-oldest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
+# template-only:end
 
 test-newest:  ## the fast tests on the newest versions pyproject.toml allows, in .venv-newest (CI runs it)
 	$(PYTHON) -m venv .venv-newest
@@ -57,6 +68,9 @@ test-newest:  ## the fast tests on the newest versions pyproject.toml allows, in
 	.venv-newest/bin/pip install --quiet --upgrade --upgrade-strategy eager -c .venv-newest/constraints.txt -e ./engine -e ".[dev]"
 	.venv-newest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
 	.venv-newest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
+# template-only:start
+	cd engine && ../.venv-newest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
+# template-only:end
 # template-only:start (a copy has no scripts/new_project.py)
 .PHONY: test-copy
 test-copy: setup  ## a copy made by scripts/new_project.py runs its whole suite, both tiers (CI runs it)

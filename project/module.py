@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from jsonargparse import lazy_instance
 from lightning.pytorch.utilities import rank_zero_only
+from steadfast import LinearWarmupCosineAnnealingLR
 from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from steadfast import LinearWarmupCosineAnnealingLR
 from project.nets import MLP
 
 # The default net as the config shows it (`--print_config`); a Classifier built in Python gets an MLP of its own.

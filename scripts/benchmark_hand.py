@@ -69,10 +69,10 @@ def digits_loaders(spec: dict[str, Any]) -> tuple[Any, Any]:
 def hand_written(spec: dict[str, Any], out: Path) -> None:
     import torch
     import torch.nn.functional as F
+    from steadfast.schedule import LinearWarmupCosineAnnealingLR
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
-    from steadfast.schedule import LinearWarmupCosineAnnealingLR
     from project.nets import MLP
 
     torch.manual_seed(spec["seed"])

@@ -8,9 +8,8 @@ import statistics
 import time
 
 import torch
-from torch.utils.data import TensorDataset
-
 from steadfast.sample_seeds import seed_per_sample
+from torch.utils.data import TensorDataset
 
 SAMPLES = 20_000
 

@@ -46,6 +46,7 @@ from template_copy import (
     RECORD,
     ROOT,
     UsageError,
+    engine_version,
     make_record,
     n_files,
     parse_author,
@@ -132,7 +133,9 @@ def generate(dest: Path, name: str, example: bool = True, author: str | None = N
     try:
         render(ROOT, files, staging, name, example, author_fields, description)
         commit, uncommitted = template_state()
-        (staging / RECORD).write_text(make_record(commit, uncommitted, name, example, author, description))
+        (staging / RECORD).write_text(
+            make_record(commit, uncommitted, name, example, author, description, engine_version(ROOT))
+        )
         note = init_git(staging, author_fields, name) if git else "no git (--no-git)"
         if commit is None:
             note += f"; the template is not a git checkout, so {RECORD} names no commit and --update can't run"

@@ -28,6 +28,7 @@ GENERATOR = ("scripts/new_project.py", "scripts/template_copy.py", "scripts/temp
 # patterns.
 TEMPLATE_ONLY = (
     *GENERATOR,
+    "engine/tests/",  # the engine's own suite stays with the engine (the template's CI runs it); a copy self-checks
     "tests/test_new_project.py",
     "tests/test_template_update.py",
     "scripts/benchmark*.py",
@@ -39,6 +40,7 @@ TEMPLATE_ONLY = (
     ".ci/test_copy.sh",
 )
 RECORD = ".template.json"  # in the copy: the template commit and the answers it was made from; --update reads it
+ENGINE = Path("engine")  # vendored into a copy as it is, one unit at its version: never renamed or merged
 # fmt: off
 LEFT_OUT_DIRS = {".git", ".hg", ".svn", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache",
                  ".ipynb_checkpoints", "runs", "lightning_logs", "wandb", "mlruns", "build", "dist", "*.egg-info"}
@@ -111,11 +113,23 @@ def n_files(n: int) -> str:
     return f"{n} file{'s' * (n != 1)}"
 
 
+def engine_version(root: Path) -> str | None:
+    """The vendored engine's version, from ``engine/pyproject.toml`` under ``root``."""
+    path = root / ENGINE / "pyproject.toml"
+    found = re.search(r'^version\s*=\s*"([^"]+)"', path.read_text(), re.M) if path.is_file() else None
+    return found[1] if found else None
+
+
+def is_engine(rel: Path) -> bool:
+    return rel.parts[:1] == ENGINE.parts
+
+
 def make_record(commit: str | None, uncommitted: list[str], name: str, example: bool, author: str | None,
-                description: str | None) -> str:  # fmt: skip
-    """``uncommitted``: template files the copy took as they were on disk, not as in ``commit``."""
+                description: str | None, engine: str | None = None) -> str:  # fmt: skip
+    """``uncommitted``: template files the copy took as they were on disk, not as in ``commit``; ``engine``: the
+    version of the engine vendored."""
     fields = {"template_commit": commit, "uncommitted": uncommitted, "name": name, "example": example,
-              "author": author, "description": description}  # fmt: skip
+              "author": author, "description": description, "engine": engine}  # fmt: skip
     return json.dumps(fields, indent=2, ensure_ascii=False) + "\n"
 
 
@@ -186,6 +200,9 @@ def render(root: Path, files: list[Path], out: Path, name: str, example: bool = 
     texts: dict[Path, str] = {}
     raw: dict[Path, Path] = {}  # binary files and links travel as they are
     for rel in files:
+        if is_engine(rel):  # the engine travels as it is: one unit, its files byte for byte the version's
+            raw[rel] = root / rel
+            continue
         data = b"\0" if (root / rel).is_symlink() else (root / rel).read_bytes()
         try:
             if b"\0" in data:

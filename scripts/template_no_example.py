@@ -1,16 +1,16 @@
 """``--no-example``: the digits data module (the whole ``data.py``) gives way to the skeleton in
-``scripts/skeleton/`` (synthetic data in plain loaders), the example's tests (``tests/``) to the skeleton's,
-and the scripts that use the digits DataModule stay behind; the Classifier and the nets stay. Every engine test
-(``tests/test_*.py``, which trains fixtures, not the example) goes into the copy. Used by
-scripts/template_copy.py; only the standard library.
+``scripts/skeleton/`` (synthetic data in plain loaders), the tests of the example's data (those of ``tests/`` that
+name it) to the skeleton's, and the scripts that use the digits DataModule stay behind; the Classifier, the nets and
+the tests that do not name the digits (the engine's self-check) stay. Used by scripts/template_copy.py; only the
+standard library.
 """
 
 import ast
 import re
 from pathlib import Path
 
-EXAMPLE_WORD = "digits"  # a test outside tests/ that mentions it is refused
-EXAMPLE_TESTS = ("tests", "example")  # the example's tests: left behind, the skeleton's put in their place
+EXAMPLE_WORD = "digits"  # a test of tests/ that mentions it is the example's: left behind
+TESTS = "tests"  # the project's tests; the skeleton's are put in with them
 
 
 def drop_example(texts: dict[Path, str], skeleton: Path, package: str) -> dict[str, str]:
@@ -28,19 +28,14 @@ def drop_example(texts: dict[Path, str], skeleton: Path, package: str) -> dict[s
                 raise RuntimeError(f"--no-example: expected a LightningDataModule in {rel} and a class in {path}")
             texts[rel] = path.read_text()  # the whole module: the example's data and its imports go with it
             renames.update(dict.fromkeys(removed, added[0]))
-    # The example's tests (tests/) go; the skeleton puts its own there. Every other test is the engine's and
-    # stays: one that names the example would fail in the copy, a template bug to refuse, not a file to drop.
-    # Any other module outside the package that uses the example's classes goes.
+    # The tests of tests/ that name the example's data go; the skeleton puts its own there. Any other module
+    # outside the package that uses the example's classes goes.
     uses = re.compile(rf"\b({'|'.join(map(re.escape, renames))})\b")
     mentions = re.compile(f"{uses.pattern}|{re.escape(EXAMPLE_WORD)}", re.I)
     for rel in [r for r in texts if r.suffix == ".py" and r.parts[0] != package]:
-        if rel.parts[:2] == EXAMPLE_TESTS:
-            if rel.name != "__init__.py":
-                del texts[rel]
-        elif rel.name.startswith("test_") and mentions.search(texts[rel]):
-            raise RuntimeError(f"--no-example: {rel} names the example but is not under tests/, where the "
-                               "example's tests go: move it there, or make it train tests/fixtures/")  # fmt: skip
-        elif uses.search(texts[rel]):
+        if (rel.parts[0] == TESTS and rel.name.startswith("test_") and mentions.search(texts[rel])) or uses.search(
+            texts[rel]
+        ):
             del texts[rel]
     for path in skeletons:
         rel = path.relative_to(skeleton)

@@ -4,10 +4,13 @@ from pathlib import Path
 
 from steadfast.testing import DDP2, QUIET, run_cli, run_dirs, scalars
 
+import project
+
 REPO = Path(__file__).resolve().parent.parent
-__all__ = ["DDP2", "QUIET", "REPO", "cli", "run_dirs", "scalars"]
+PROGRAM = project.__name__  # python -m <this package>
+__all__ = ["DDP2", "PROGRAM", "QUIET", "REPO", "cli", "run_dirs", "scalars"]
 
 
 def cli(*args: str, cwd: Path, **kwargs):
     """``python -m project ARGS`` in ``cwd``: the base config's model and data unless ``args`` name others."""
-    return run_cli("project", *args, cwd=cwd, pythonpath=str(REPO), **kwargs)
+    return run_cli(PROGRAM, *args, cwd=cwd, pythonpath=str(REPO), **kwargs)

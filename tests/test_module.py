@@ -3,9 +3,9 @@
 import lightning as L
 import pytest
 import torch
+from steadfast.schedule import FitScheduleToRun
 
 from project.data import DigitsDataModule
-from steadfast.schedule import FitScheduleToRun
 from project.module import Classifier
 from project.nets import CNN, MLP
 

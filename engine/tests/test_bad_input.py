@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PYTHONPATH, DDP2, QUIET, REPO, RUN_NAME, cli, run_dirs
+from tests.helpers import DDP2, PYTHONPATH, QUIET, REPO, RUN_NAME, cli, run_dirs
 
 pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
 
@@ -310,7 +310,6 @@ def test_a_sharded_checkpoints_index_carrying_code_is_refused_unrun(tmp_path):
     import pickle
 
     import torch.distributed.checkpoint as dcp
-
     from steadfast.checkpoint_files import CheckpointLoadError
     from steadfast.sharded import full_state_dict
 

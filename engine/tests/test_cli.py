@@ -14,7 +14,7 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 
 from tests.fixtures.stand_in import SAMPLES
-from tests.helpers import PYTHONPATH, QUIET, REPO, STAND_IN, cli, run_dirs, scalars
+from tests.helpers import PYTHONPATH, QUIET, STAND_IN, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow  # subprocesses: the real `python -m project`
 

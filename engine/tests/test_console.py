@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from steadfast.checkpoint_files import check_fits
+
 from tests.fixtures.stand_in import StandIn
-from tests.helpers import PYTHONPATH, DDP2, REPO, RUN_NAME, STAND_IN, cli, with_stand_in
+from tests.helpers import DDP2, PYTHONPATH, RUN_NAME, STAND_IN, cli, with_stand_in
 
 pytestmark = pytest.mark.slow
 

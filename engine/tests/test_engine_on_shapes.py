@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests import faults
-from tests.helpers import PYTHONPATH, DDP2, QUIET, cli, cli_in_process, max_abs_diff
+from tests.helpers import DDP2, PYTHONPATH, QUIET, cli, cli_in_process, max_abs_diff
 
 # shape: (module class, dict batches, monitored key, mode, optimizer steps per batch)
 SHAPES = {

@@ -6,6 +6,7 @@ import ast
 from pathlib import Path
 
 import steadfast as engine
+
 from tests.helpers import REPO
 
 PACKAGE = engine.__name__.split(".")[0]

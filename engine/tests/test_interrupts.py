@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from steadfast.checkpoint_io import AtomicCheckpointIO
+
 from tests.faults import kill_at
-from tests.helpers import PYTHONPATH, DDP2, QUIET, REPO, STAND_IN, cli, newest_checkpoint, run_dirs
+from tests.helpers import DDP2, PYTHONPATH, QUIET, STAND_IN, cli, newest_checkpoint, run_dirs
 
 pytestmark = pytest.mark.slow
 

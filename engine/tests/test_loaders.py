@@ -5,7 +5,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from steadfast.loaders import ResumableDataLoader, ResumableSampler, TensorBatchDataset, make_loader
 
 

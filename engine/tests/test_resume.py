@@ -9,10 +9,21 @@ import sys
 
 import pytest
 import torch
-
 from steadfast.run_checkpoints import is_loadable, read_global_step
+
 from tests.faults import kill_at
-from tests.helpers import PYTHONPATH, DDP2, QUIET, REPO, STAND_IN, cli, newest_checkpoint, run_dirs, saved_steps, scalars
+from tests.helpers import (
+    DDP2,
+    PYTHONPATH,
+    QUIET,
+    REPO,
+    STAND_IN,
+    cli,
+    newest_checkpoint,
+    run_dirs,
+    saved_steps,
+    scalars,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -16,10 +16,10 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from steadfast.compat import launched_children
 from steadfast.signals import AGREE_EVERY, STOP_WITHIN
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, cli, run_dirs
 
@@ -29,7 +29,11 @@ aten = torch.ops.aten
 READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.nonzero.default}
 # Reads of host memory on a GPU too: copies the engine staged without waiting steps before (pinned memory there), the
 # samplers' draws, the optimizer's step counters. Every other read, and every collective the host waits for, drains.
-STAGED = ("engine/steadfast/guards.py:_read_staged", "engine/steadfast/signals.py:_sums", "compat_logging.py:_staged_bar")
+STAGED = (
+    "engine/steadfast/guards.py:_read_staged",
+    "engine/steadfast/signals.py:_sums",
+    "compat_logging.py:_staged_bar",
+)
 HOST_SIDE = ("/torch/utils/data/", "/torch/optim/")
 # Not the signals' nor the guard's: Lightning's ModelCheckpoint with a train_time_interval (the engine's timed
 # last.ckpt, steadfast.last_checkpoint) broadcasts rank 0's clock at every batch end, a blocking collective per

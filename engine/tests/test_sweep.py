@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import PYTHONPATH, DDP2, QUIET, REPO, STAND_IN, cli
+from tests.helpers import DDP2, PYTHONPATH, QUIET, STAND_IN, cli
 
 pytestmark = pytest.mark.slow
 

@@ -4,6 +4,8 @@ mid-epoch resumes are bit-exact and DDP evaluation sees each sample once, with n
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from steadfast.loaders import ResumableSampler
+from steadfast.user_loaders import engine_loader
 from torch.utils.data import (
     DataLoader,
     DistributedSampler,
@@ -13,8 +15,6 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from steadfast.loaders import ResumableSampler
-from steadfast.user_loaders import engine_loader
 from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, cli, cli_in_process, max_abs_diff, run_dirs, scalars
 

@@ -35,9 +35,9 @@ def test_batches_fit_the_default_net():
     assert x.shape == (8, 64) and y.shape == (8,) and MLP()(x).shape == (8, 10)
 
 
-def test_fit_through_the_cli_writes_a_checkpoint(workdir):
+def test_fit_through_the_cli_writes_a_checkpoint(tmp_path):
     cli("fit", *QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3",
-        "--trainer.limit_val_batches", "2", cwd=workdir, example=True)  # fmt: skip
-    (run,) = workdir.glob("runs/*/version_0")
+        "--trainer.limit_val_batches", "2", cwd=tmp_path)  # fmt: skip
+    (run,) = tmp_path.glob("runs/*/version_0")
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert yaml.safe_load((run / "config.yaml").read_text())["data"]["class_path"].endswith(".data.DataModule")
