@@ -170,8 +170,8 @@ def cli_main(
     ``base_config``: the config read before any other (the first of these paths that is a file), e.g. a project's
     ``configs/default.yaml``; ``program``: what the user runs (``python -m <program>``), in the commands the engine
     prints and for a sweep's trials; both default to those of the invocation this one runs in (a sweep checking its
-    space), else ``steadfast`` without a base config. ``run=False``: parse and instantiate ``args`` (no subcommand) and run nothing,
-    e.g. to check a sweep's space.
+    space), else ``steadfast`` without a base config. ``run=False``: parse and instantiate ``args`` (no subcommand)
+    and run nothing, e.g. to check a sweep's space.
     """
     outer = entry()
     with entered(program or outer.program, outer.base_config if base_config is None else base_config):
