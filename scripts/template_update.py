@@ -6,11 +6,13 @@ scripts/new_project.py; only the standard library.
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from template_copy import (
+    ENGINE,
     RECORD,
     ROOT,
     UsageError,
@@ -39,6 +41,13 @@ def _copy_as_tree(dest: Path, rev: str, answers: dict, record: str, tmp: Path) -
     index.unlink()
     git(dest, "--work-tree", str(out), "add", "-A", "-f", env=env)  # -f: the copy's .gitignore keeps nothing out
     return git(dest, "write-tree", env=env).stdout.strip()
+
+
+def _engine_version_at(rev: str) -> str | None:
+    """The engine's version in the template at ``rev``."""
+    text = git(ROOT, "show", f"{rev}:{ENGINE.as_posix()}/pyproject.toml", check=False).stdout
+    found = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M)
+    return found[1] if found else None
 
 
 def check_update(dest: Path) -> tuple[dict, str, str]:
@@ -92,10 +101,20 @@ def update(dest: Path) -> tuple[str, list[str]]:
     if old == head:
         return f"{dest} is already at the template's commit {head[:7]}; nothing to do.", []
     new_record = make_record(head, [], answers["name"], answers.get("example", True), answers.get("author"),
-                             answers.get("description"))  # fmt: skip
+                             answers.get("description"), _engine_version_at(head))  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         base = _copy_as_tree(dest, old, answers, old_record, Path(tmp))
         theirs = _copy_as_tree(dest, head, answers, new_record, Path(tmp))
+    # The engine is taken whole: a copy whose engine/ is not the one it was given would get a merge of two engines,
+    # neither of them tested. Refused before anything changes, naming the files.
+    edited = git(dest, "diff", "--name-only", "-z", base, "HEAD", "--", ENGINE.as_posix()).stdout.split("\0")
+    if edited := sorted(p for p in edited if p):
+        version = answers.get("engine") or "the version it came with"
+        raise UsageError(f"{', '.join(edited[:3])}{' ...' if len(edited) > 3 else ''} differ(s) from steadfast "
+                         f"{version} as the copy got it: the engine is updated as one unit, never merged. Move your "
+                         f"change out of engine/ (a subclass or callback in your package; a fix the engine needs: "
+                         f"propose it to the template), undo the edits (git log -p -- engine/ shows them), "
+                         f"commit, and --update again")  # fmt: skip
     start = git(dest, "symbolic-ref", "-q", "--short", "HEAD", check=False).stdout.strip()
     start = start or git(dest, "rev-parse", "HEAD").stdout.strip()
     branch = f"template-update-{head[:7]}"
@@ -109,7 +128,9 @@ def update(dest: Path) -> tuple[str, list[str]]:
         git(dest, "branch", "-q", "-D", branch)
         raise RuntimeError(f"git merge-recursive failed in {dest}: {(merged.stderr or merged.stdout).strip()}")
     log = git(ROOT, "log", "--oneline", "--no-decorate", f"{old}..{head}").stdout
-    message = f"Template update {old[:7]}..{head[:7]}\n\n{log}"
+    engines = (answers.get("engine"), _engine_version_at(head))
+    engine = f"; the engine steadfast {engines[0]} -> {engines[1]}, whole" if engines[0] != engines[1] else ""
+    message = f"Template update {old[:7]}..{head[:7]}{engine}\n\n{log}"
     if conflicts:
         squash_msg = git(dest, "rev-parse", "--git-path", "SQUASH_MSG").stdout.strip()
         (dest / squash_msg).write_text(message)  # git commit offers it
@@ -121,6 +142,6 @@ def update(dest: Path) -> tuple[str, list[str]]:
     counts = {k: sum(line[0] == k for line in changes) for k in "MAD"}
     committed = git(dest, "commit", "-q", "--no-verify", "-m", message, check=False)
     done = "committed" if committed.returncode == 0 else f"staged, not committed ({committed.stderr.strip()})"
-    return (f"Merged template {old[:7]}..{head[:7]} into {dest} on branch {branch}, {done}: {n_files(counts['M'])} "
+    return (f"Merged template {old[:7]}..{head[:7]}{engine} into {dest} on branch {branch}, {done}: {n_files(counts['M'])} "
             f"changed, {counts['A']} added, {counts['D']} removed, no conflicts.\n"
             f"Next: make test there, then git switch {start} && git merge {branch}."), []  # fmt: skip

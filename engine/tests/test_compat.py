@@ -469,7 +469,7 @@ def test_lightning_cli_hparam_keys_are_the_ones_the_summary_leaves_out():
     assert added == set(CLI_HPARAM_KEYS), f"LightningCLI's hparam keys are now {sorted(added)}"
 
 
-ENGINE = Path(__file__).resolve().parent.parent / "project" / "engine"
+ENGINE = Path(__file__).resolve().parent.parent / "steadfast"
 ALLOWED = {"os._exit"}  # documented by Python
 
 
@@ -487,7 +487,7 @@ def private_uses(source: str) -> list[str]:
             base = node.value
             if not (isinstance(base, ast.Name) and base.id in ("self", "cls")) and ast.unparse(node) not in ALLOWED:
                 found.append(f"{node.lineno}: {ast.unparse(node)}")
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("project"):
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("steadfast"):
             private_module = any(_private(part) for part in node.module.split("."))
             found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
                       if private_module or _private(a.name)]  # fmt: skip
@@ -528,7 +528,7 @@ class Logger(TensorBoardLogger):
 def test_no_engine_module_but_the_compat_ones_uses_a_private_name_of_lightning_or_torch():
     uses = {
         path.name: private_uses(path.read_text())
-        for path in sorted(ENGINE.glob("*.py"))
+        for path in sorted(ENGINE.rglob("*.py"))
         if not path.name.startswith("compat")
     }
     found = [f"engine/steadfast/{name}:{use}" for name, names in uses.items() for use in names]
