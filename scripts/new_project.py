@@ -42,6 +42,7 @@ from pathlib import Path
 # The generator's other modules, beside this script (sys.path[0] when it runs; all stay behind in a copy):
 # which files travel and how each is written, the renaming, --no-example, --update.
 from template_copy import (
+    ENGINE,
     PACKAGE,
     RECORD,
     ROOT,
@@ -65,7 +66,8 @@ COMMON_MODULES = {"torch", "torchvision", "torchaudio", "torchtext", "lightning"
 # fmt: on
 
 
-def check_name(name: str, top_level: set[str]) -> None:
+def check_name(name: str, top_level: set[str], engine: set[str] = frozenset()) -> None:
+    """``top_level``: the folders at the copy's root; ``engine``: the packages of the engine it vendors."""
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         hint = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "my_project"
         raise UsageError(f"--name {name!r} is not a valid package name: use lowercase letters, digits and underscores, "
@@ -77,6 +79,8 @@ def check_name(name: str, top_level: set[str]) -> None:
         why = "is the template's own package name; a copy needs a name of its own"
     elif name in {*sys.stdlib_module_names, *sys.builtin_module_names, "test"}:  # "test": CPython's own tests
         why = f"would shadow the standard-library module {name!r}"
+    elif name in engine:
+        why = f"would shadow the engine's package {name!r}, which the copy carries in {ENGINE}/"
     elif name in COMMON_MODULES:
         why = f"would shadow {name!r}, which projects made from this template (or their tests) import"
     elif name in top_level:
@@ -126,7 +130,8 @@ def generate(dest: Path, name: str, example: bool = True, author: str | None = N
     files = template_files()
     if not any(p.parts[0] == PACKAGE and p.name == "__init__.py" for p in files):
         raise RuntimeError(f"the template has no package {PACKAGE}/ at {ROOT}")
-    check_name(name, {p.parts[0] for p in files if len(p.parts) > 1})
+    engine = {p.parts[1] for p in files if p.parts[0] == ENGINE.name and len(p.parts) == 3 and p.name == "__init__.py"}
+    check_name(name, {p.parts[0] for p in files if len(p.parts) > 1}, engine)
     dest, author_fields = check_dest(Path(dest)), parse_author(author)
     parent = next(p for p in dest.parents if p.is_dir())
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=parent))

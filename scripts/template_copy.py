@@ -31,6 +31,7 @@ TEMPLATE_ONLY = (
     "engine/tests/",  # the engine's own suite stays with the engine (the template's CI runs it); a copy self-checks
     "tests/test_new_project.py",
     "tests/test_template_update.py",
+    "tests/test_example_apart.py",  # it scans engine/tests, which a copy has not
     "scripts/benchmark*.py",
     "tests/test_benchmark.py",
     "scripts/count_syncs*.py",  # it runs the benchmark's hand loop and plain Lightning beside the template

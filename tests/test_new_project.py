@@ -1,8 +1,10 @@
-"""scripts/new_project.py: the copy is a working project, only references to the package are renamed, and a bad
-name or DEST fails before anything is written."""
+"""scripts/new_project.py: the copy is a working project, only references to the package are renamed outside the
+engine, the engine travels byte for byte without its suite, and a bad name or DEST fails before anything is written.
+A template-only test (scripts/template_copy.py: TEMPLATE_ONLY)."""
 
 import ast
 import fnmatch
+import hashlib
 import importlib
 import itertools
 import json
@@ -22,10 +24,13 @@ SCRIPT = REPO / "scripts" / "new_project.py"
 NAME = "acme_ml"  # as long as "project": line breaks stay where they were, so a copy can be compared line by line
 GENERATOR_MODULES = ("new_project", "template_copy", "template_renamer", "template_no_example", "template_update")
 GENERATOR = (*(f"scripts/{m}.py" for m in GENERATOR_MODULES), "scripts/skeleton/")  # what makes a copy
-# What stays behind (issue 27): the generator and its tests, the benchmarks and their page of figures.
-TEMPLATE_ONLY = (*GENERATOR, "tests/test_new_project.py", "tests/test_template_update.py", "scripts/benchmark*.py",
-                 "tests/test_benchmark.py", "scripts/count_syncs*.py", "tests/test_count_syncs*.py",
-                 "tests/test_count_syncs.py", "docs/speed.md", ".ci/test_copy.sh")  # fmt: skip
+# What stays behind (issue 27): the generator and its tests, the benchmarks and their page of figures; the engine's
+# own suite (issue 38: the engine comes as one unit, its suite stays with it).
+TEMPLATE_ONLY = (*GENERATOR, "tests/test_new_project.py", "tests/test_template_update.py",
+                 "tests/test_example_apart.py", "engine/tests/", "scripts/benchmark*.py", "tests/test_benchmark.py",
+                 "scripts/count_syncs*.py", "tests/test_count_syncs*.py", "tests/test_count_syncs.py", "docs/speed.md",
+                 ".ci/test_copy.sh")  # fmt: skip
+ENGINE_VERSION = re.search(r'^version = "(.+?)"', (REPO / "engine" / "pyproject.toml").read_text(), re.M)[1]
 GIT_ID = {f"GIT_{r}_{k}": v for r in ("AUTHOR", "COMMITTER") for k, v in (("NAME", "T"), ("EMAIL", "t@example.org"))}
 
 sys.path.insert(0, str(SCRIPT.parent))  # as when run as a script: its modules import each other from scripts/
@@ -47,6 +52,10 @@ def template_only(path: str) -> bool:
 
 def tree(root: Path) -> set[str]:
     return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and ".git" not in p.parts}
+
+
+def hashes(root: Path, paths: set[str]) -> dict[str, str]:
+    return {p: hashlib.sha256((root / p).read_bytes()).hexdigest() for p in paths}
 
 
 def run_script(*args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:
@@ -94,12 +103,14 @@ def _module_strings(tree: ast.AST) -> set[int]:
 
 
 def leftover_references(root: Path) -> list[str]:
-    """Every place in ``root`` that still refers to the package ``project``, found without the script's rules."""
+    """Every place in ``root`` outside engine/ that still refers to the package ``project``, found without the
+    script's rules. (engine/ is the engine's, byte for byte: ``test_the_engine_travels_byte_for_byte...``.)"""
     modules = "|".join(p.stem for p in (root / NAME).iterdir())
     patterns = [rf"(?<![\w.\-/])project\.({modules})\b", r"-m project\b", r"(?<![\w.\-/])project/",
                 r"\b(from|import) project\b", r"`project[`\s]", r"^\s*project\s*="]  # fmt: skip
     found = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and ".git" not in p.parts):
+    files = [p for p in root.rglob("*") if p.is_file() and ".git" not in p.parts]
+    for path in sorted(p for p in files if p.relative_to(root).parts[0] != "engine"):
         text = path.read_text(errors="replace")
         found += [f"{path}: {m.group(0)!r}" for p in patterns for m in re.finditer(p, text, re.M)]
         if path.suffix == ".py":
@@ -179,11 +190,13 @@ def _words(text: str, package: str = "project") -> list[str]:
 def test_a_string_or_keyword_that_only_reads_project_keeps_it(generated):
     """W&B's ``project`` key, ``project=`` keywords and prose are no references to the package (issue 26: the copy's
     ``configs/wandb.yaml`` failed with "Option 'acme_ml' is not accepted")."""
-    assert 'args["project"] = args.get("project")' in (generated / NAME / "engine" / "run_loggers.py").read_text()
+    loggers = generated / "engine" / "steadfast" / "run_loggers.py"
+    assert 'args["project"] = args.get("project")' in loggers.read_text()
     checked = 0
     for rel in sorted(p for p in template_files() if p.endswith(".py")):
         words = _words((REPO / rel).read_text())
-        copy = _words((generated / re.sub(r"^project/", f"{NAME}/", rel)).read_text(), NAME)
+        package = "project" if rel.startswith("engine/") else NAME  # the engine is never renamed
+        copy = _words((generated / re.sub(r"^project/", f"{NAME}/", rel)).read_text(), package)
         assert sorted(copy) == sorted(words), rel
         checked += len(words)
     assert checked >= 2  # precondition: the template has such words (run_loggers.py's two)
@@ -230,6 +243,25 @@ def test_nothing_but_references_to_the_package_changes(generated):
             assert new.split() == old.split(), rel
     assert (generated / NAME / "__init__.py").read_text() == (REPO / "project" / "__init__.py").read_text()
     assert (generated / "README.md").read_text().startswith(f"# {NAME}\n")
+
+
+def test_the_engine_travels_byte_for_byte_without_its_suite(generated, bare):
+    """engine/ is one unit at its version (issue 38): every file of the template's engine/ but its suite
+    (engine/tests/), with the same bytes, in the copy with or without the example; its version in the record. The
+    package is renamed only outside engine/, and the copy's make test runs no engine suite."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "engine"], cwd=REPO, capture_output=True,
+                            text=True, check=True).stdout.splitlines()  # fmt: skip
+    ours = {p for p in listed if (REPO / p).is_file()}
+    suite = {p for p in ours if p.startswith("engine/tests/")}
+    engine = ours - suite
+    assert len(suite) > 40 and "engine/steadfast/cli.py" in engine and "engine/pyproject.toml" in engine
+    for copy in (generated, bare):
+        theirs = {p for p in tree(copy) if p.startswith("engine/")}
+        assert hashes(copy, theirs) == hashes(REPO, engine), copy
+        assert not (copy / "engine" / "tests").exists()
+        assert json.loads((copy / ".template.json").read_text())["engine"] == ENGINE_VERSION
+        assert "cd engine" not in (copy / "Makefile").read_text()  # the template-only lines that run the suite
+    assert (REPO / "Makefile").read_text().count("cd engine") >= 2  # precondition: the template has them
 
 
 def test_author_and_description_go_to_pyproject_and_readme(tmp_path):
@@ -280,7 +312,7 @@ def test_runs_checkpoints_caches_and_venv_stay_behind(template_copy, tmp_path, g
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=template, capture_output=True, text=True).stdout.strip()
     record = json.loads((out / ".template.json").read_text())
     assert record == {"template_commit": head if git else None, "uncommitted": [], "name": NAME, "example": True,
-                      "author": None, "description": None}  # fmt: skip
+                      "author": None, "description": None, "engine": ENGINE_VERSION}  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "template"]  # no staging folder left
 
 
@@ -322,6 +354,8 @@ def test_no_file_of_the_copy_names_a_template_commit(generated):
         ("json", "would shadow the standard-library module 'json'"),
         ("tests", "would clash with the folder tests/"),
         ("project", "the template's own package name"),
+        ("steadfast", "would shadow the engine's package 'steadfast'"),
+        ("engine", "would clash with the folder engine/"),
     ],
 )
 def test_an_invalid_name_fails_clearly_and_creates_nothing(tmp_path, name, message):
@@ -353,14 +387,18 @@ def test_no_example_swaps_the_digits_for_the_skeleton(bare, generated):
     assert config["data"] == f"{NAME}.data.DataModule"  # the class alone: its own defaults apply
     for path in [p for p in bare.rglob("*.py") if p.name not in ("conftest.py", "helpers.py")]:
         assert "DigitsDataModule" not in path.read_text(), path
-    # every engine test goes into the copy; the example's tests (tests/) give way to the skeleton's
-    engine_tests = {p.relative_to(REPO).as_posix() for p in (REPO / "tests").glob("test_*.py")}
-    engine_tests = {t for t in engine_tests if not template_only(t)}
-    assert {p.relative_to(bare).as_posix() for p in (bare / "tests").glob("test_*.py")} == engine_tests
+    # the tests of tests/ that name the digits give way to the skeleton's; the others (the engine's self-check) stay
+    ours = {p.relative_to(REPO).as_posix() for p in (REPO / "tests").glob("test_*.py")}
+    ours = {t for t in ours if not template_only(t)}
+    kept = {t for t in ours if not re.search("digits", (REPO / t).read_text(), re.I)}
     skeleton_tests = {p.relative_to(REPO / "scripts" / "skeleton").as_posix()
                       for p in (REPO / "scripts" / "skeleton" / "tests").rglob("test_*.py")}  # fmt: skip
-    assert {p.relative_to(bare).as_posix() for p in (bare / "tests" / "example").glob("test_*.py")} == skeleton_tests
-    assert all("digits" not in (bare / t).read_text().lower() for t in engine_tests)
+    assert "tests/test_engine_check.py" in kept and "tests/test_data.py" in ours - kept  # preconditions
+    assert {p.relative_to(bare).as_posix() for p in (bare / "tests").rglob("test_*.py")} == kept | skeleton_tests
+    for t in skeleton_tests:
+        skeleton = (REPO / "scripts" / "skeleton" / t).read_text()
+        assert (bare / t).read_text().split() == skeleton.replace("project", NAME).split(), t
+    assert all("digits" not in (bare / t).read_text().lower() for t in kept | skeleton_tests)
     assert leftover_references(bare) == []
     assert tree(bare) - tree(generated) == set()  # the skeleton replaces files, it adds none
 
@@ -381,10 +419,12 @@ def test_copies_lint_no_worse_than_the_template(generated, bare):
 
 
 def _env(project: Path, blocker: Path) -> dict[str, str]:
-    """The copy first on the path, then a stub ``project`` that fails on import: the template can't stand in."""
+    """The copy and its own engine first on the path, then a stub ``project`` that fails on import: the template
+    can't stand in (nor can the template's engine, installed editable in .venv: the path comes before it)."""
     (blocker / "project").mkdir(parents=True, exist_ok=True)
     (blocker / "project" / "__init__.py").write_text("raise ImportError('a copy imported the template package')\n")
-    return {**os.environ, "PYTHONPATH": f"{project}{os.pathsep}{blocker}", "PYTHONWARNINGS": "ignore"}
+    path = os.pathsep.join(map(str, (project, project / "engine", blocker)))
+    return {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
 
 
 def _pytest(project: Path, env: dict[str, str], *args: str) -> None:
@@ -403,6 +443,9 @@ def _unit_tests(project: Path) -> list[str]:
 @pytest.mark.slow
 def test_the_copy_passes_its_unit_tests_and_trains(generated, tmp_path):
     env = _env(generated, tmp_path / "blocker")
+    where = [sys.executable, "-c", "import steadfast; print(steadfast.__file__)"]
+    found = subprocess.run(where, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
+    assert Path(found.strip()) == generated / "engine" / "steadfast" / "__init__.py"  # the copy's engine runs
     _pytest(generated, env, *_unit_tests(generated))
     fit = [sys.executable, "-m", NAME, "fit", *QUIET, "--trainer.max_epochs", "1", "--trainer.limit_train_batches",
            "3", "--trainer.limit_val_batches", "2", "--model.warmup", "1"]  # fmt: skip
