@@ -110,11 +110,14 @@ def update(dest: Path) -> tuple[str, list[str]]:
     edited = git(dest, "diff", "--name-only", "-z", base, "HEAD", "--", ENGINE.as_posix()).stdout.split("\0")
     if edited := sorted(p for p in edited if p):
         version = answers.get("engine") or "the version it came with"
+        # a copy made from a template with uncommitted engine changes got them: not the version's files either
+        dirty = [p for p in edited if p in (answers.get("uncommitted") or [])]
+        came = f" ({', '.join(dirty[:3])}: uncommitted in the template when the copy was made, {RECORD} lists them)"
         raise UsageError(f"{', '.join(edited[:3])}{' ...' if len(edited) > 3 else ''} differ(s) from steadfast "
-                         f"{version} as the copy got it: the engine is updated as one unit, never merged. Move your "
-                         f"change out of engine/ (a subclass or callback in your package; a fix the engine needs: "
-                         f"propose it to the template), undo the edits (git log -p -- engine/ shows them), "
-                         f"commit, and --update again")  # fmt: skip
+                         f"{version} at template commit {old[:7]}{came if dirty else ''}: the engine is updated as "
+                         f"one unit, never merged. Move your change out of engine/ (a subclass or callback in your "
+                         f"package; a fix the engine needs: propose it to the template), undo the edits (git log -p "
+                         f"-- engine/ shows them), commit, and --update again")  # fmt: skip
     start = git(dest, "symbolic-ref", "-q", "--short", "HEAD", check=False).stdout.strip()
     start = start or git(dest, "rev-parse", "HEAD").stdout.strip()
     branch = f"template-update-{head[:7]}"
@@ -142,6 +145,6 @@ def update(dest: Path) -> tuple[str, list[str]]:
     counts = {k: sum(line[0] == k for line in changes) for k in "MAD"}
     committed = git(dest, "commit", "-q", "--no-verify", "-m", message, check=False)
     done = "committed" if committed.returncode == 0 else f"staged, not committed ({committed.stderr.strip()})"
-    return (f"Merged template {old[:7]}..{head[:7]}{engine} into {dest} on branch {branch}, {done}: {n_files(counts['M'])} "
-            f"changed, {counts['A']} added, {counts['D']} removed, no conflicts.\n"
+    return (f"Merged template {old[:7]}..{head[:7]}{engine} into {dest} on branch {branch}, {done}: "
+            f"{n_files(counts['M'])} changed, {counts['A']} added, {counts['D']} removed, no conflicts.\n"
             f"Next: make test there, then git switch {start} && git merge {branch}."), []  # fmt: skip

@@ -210,6 +210,22 @@ def test_a_copy_whose_engine_was_changed_is_refused_naming_the_file(repos, how):
     assert state(copy) == before and "template-update" not in before[1]
 
 
+def test_an_engine_taken_with_uncommitted_template_changes_is_refused_saying_so(repos, tmp_path):
+    """The template had an uncommitted change in an engine file when the copy was made: the copy's engine is not
+    the version's, and the refusal says where it came from."""
+    template, _ = repos
+    append(template / ENGINE_FILE, "# the template's unfinished work\n")
+    proc = run_script(template, str(tmp_path / "dirty_copy"), "--name", NAME)
+    assert proc.returncode == 0 and "uncommitted changes in 1 file" in proc.stdout, proc.stdout + proc.stderr
+    copy = tmp_path / "dirty_copy"
+    assert json.loads((copy / ".template.json").read_text())["uncommitted"] == [ENGINE_FILE]
+    commit_b(template)  # B commits the unfinished work too
+    before = state(copy)
+    proc = run_script(template, "--update", str(copy))
+    assert proc.returncode == 2 and f"{ENGINE_FILE}: uncommitted in the template" in proc.stderr, proc.stderr
+    assert state(copy) == before
+
+
 @pytest.mark.parametrize(
     ("case", "message"),
     [
