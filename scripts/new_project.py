@@ -4,7 +4,8 @@ The copy is a working project of its own. The package ``project/`` becomes ``my_
 to it follows: imports, ``class_path`` in configs, ``python -m project``, the console script, the name and
 package settings in ``pyproject.toml``, the README title, tests and CI. The word "project" anywhere else stays:
 prose, strings and keywords (W&B's ``args["project"]``, ``project=``), ``pyproject.toml``, TOML tables such as
-``[project.scripts]``.
+``[project.scripts]``. The engine, ``engine/`` (the package ``steadfast``), is no part of that: it travels as one
+unit, byte for byte at its version, without its own suite (``engine/tests/``).
 
 Files come from ``git ls-files`` plus the untracked files git does not ignore, or, outside git, from a walk that
 honours ``.gitignore``; runs, checkpoints, caches, virtual environments and build outputs never travel. The
@@ -23,9 +24,10 @@ The copy's ``.template.json`` records the template commit it came from and the a
 ``python scripts/new_project.py --update DEST``, run from a newer template checkout, copies the recorded commit and
 the template's HEAD again with those answers and three-way merges the difference into DEST (``git merge-recursive``,
 the older copy as base) on a new branch ``template-update-<sha>``: committed when clean; otherwise the conflicted
-files are listed and left with git's markers, and the exit status is 1. The record then names the new commit. DEST
-must be a git repository with no uncommitted changes, and the template a checkout with none: otherwise nothing
-changes.
+files are listed and left with git's markers, and the exit status is 1. The record then names the new commit and
+engine version. The engine is taken whole, never merged: a copy whose ``engine/`` differs from the one it got is
+refused, naming the files. DEST must be a git repository with no uncommitted changes, and the template a checkout
+with none: otherwise nothing changes.
 """
 
 import argparse
