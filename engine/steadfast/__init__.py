@@ -30,9 +30,10 @@ What it guarantees, and what user code does to get each guarantee:
   memory the last one freed; saves cost the loop only a copy to host memory; ``self.log`` and the hooks' profiling
   cost next to nothing per step. Nothing to do. Each switch that changes more than the loop is named in the start
   line (``| speed: ...``) and set for the run only (``run_scope``): once ``cli_main`` returns, signal handlers,
-  warning and logging filters, gc, patched classes and malloc are as they were. ``KeepFreedHostMemory`` (CPU runs
-  only) is a callback in ``configs/default.yaml``; ``speed.Compile`` (``torch.compile`` of the module's networks in
-  place, checkpoint keys unchanged) and ``speed.MatmulPrecision`` (TF32, put back after) are in ``configs/gpu.yaml``.
+  warning and logging filters, gc, patched classes and malloc are as they were. The ``speed:`` settings
+  (``speed.Speed``): ``keep_freed_host_memory`` (CPU runs only, on by default), ``compile`` (``torch.compile`` of the
+  module's networks in place, checkpoint keys unchanged) and ``matmul_precision`` (TF32, put back after), the last two
+  on in ``configs/gpu.yaml``.
 - **An LR schedule fitted to the run** (``schedule``): ``LinearWarmupCosineAnnealingLR(optimizer, warmup_epochs,
   max_epochs)`` returned with ``"interval": "step"`` is converted at the start of training to the run's real steps
   per epoch (``max_epochs=None``: the whole run, a short debug run included). Nothing to do.

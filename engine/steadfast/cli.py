@@ -39,6 +39,7 @@ from steadfast.schedule import FitScheduleToRun
 from steadfast.sharded import ShardedStrategy as Sharded
 from steadfast.sharded import check_same_network
 from steadfast.signals import Preemption
+from steadfast.speed import Speed
 from steadfast.user_loaders import UserLoaders
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -70,6 +71,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(Runs, "run")
         parser.add_class_arguments(CheckpointPolicy, "checkpoints")
+        parser.add_class_arguments(Speed, "speed")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         check_yaml_files(parser, sys.argv[1:] if args is None else args)
@@ -134,6 +136,8 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         checks = [CheckMonitored(from_run)] if self.subcommand == "fit" else []
         # last.ckpt, the periodic files, the LR curve, the summary: whatever list the config gave
         callbacks = [*checks, *from_run, *callbacks, *policy.callbacks(callbacks)]
+        speed: Speed = cli_section(self, self.config_init, "speed")
+        callbacks += speed.callbacks(callbacks)
         plugins = config.get("plugins") or []
         kwargs["plugins"] = policy.plugins([*plugins] if isinstance(plugins, list) else [plugins])
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):

@@ -35,7 +35,14 @@ def point_loggers_at(plan: RunPlan, trainer_config: Namespace) -> list[str]:
     names of loggers it does not know, which Lightning places as they say."""
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
+    from steadfast.loggers import ThrottledTensorBoardLogger
+
     trainer_config["default_root_dir"] = str(plan.dir)  # Lightning's folder when there is no logger
+    if trainer_config.get("logger") in (None, True):  # Lightning's own default, TensorBoard: the engine's throttled one
+        trainer_config["logger"] = Namespace(
+            class_path=f"{ThrottledTensorBoardLogger.__module__}.{ThrottledTensorBoardLogger.__name__}",
+            init_args=Namespace(save_dir=str(plan.dir), default_hp_metric=False),
+        )
     family, unknown = plan.dir.parent, []
     for item in logger_configs(trainer_config):
         cls, args = _logger_class(item), item.init_args

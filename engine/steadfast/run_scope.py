@@ -13,7 +13,7 @@
 - the SIGINT, SIGTERM and SIGUSR1 handlers (``steadfast.signals``, Lightning's), the caller's again after.
 - ``PROJECT_RUN_DIR``, the run folder rank 0 claimed for the ranks it starts (``steadfast.runs``), as it was.
 
-``KeepFreedHostMemory`` (``steadfast.host_memory``), a callback, undoes its malloc setting itself; the
+``KeepFreedHostMemory`` (``speed.keep_freed_host_memory``), a callback, undoes its malloc setting itself; the
 checkpoint writer's CRC-32 setting is per thread (``compat_torch.crc32_off_in_this_thread``).
 """
 

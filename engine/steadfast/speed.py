@@ -1,5 +1,7 @@
-"""Speed switches that change how fast, not what is computed: callbacks a config lists (``configs/gpu.yaml``),
-named in the start line (`` | speed: ...``), each set for the run only."""
+"""Speed switches that change how fast, not what is computed: the ``speed:`` settings (``Speed``;
+``configs/gpu.yaml`` turns two on), named in the start line (`` | speed: ...``), each set for the run only."""
+
+from typing import Literal
 
 import lightning as L
 import torch
@@ -54,3 +56,44 @@ class MatmulPrecision(SpeedSwitch):
         if self._before is not None:
             torch.set_float32_matmul_precision(self._before)
             self._before = None
+
+
+class Speed:
+    """The speed switches of a run (the ``speed:`` section): how fast, not what is computed. Each one on is named in
+    the start line (`` | speed: ...``) and set for the run only.
+
+    Args:
+        keep_freed_host_memory: CPU runs: each step reuses the host memory the last one freed (glibc's malloc
+            thresholds, ~20% of a large CPU step; ``steadfast.host_memory``), put back after the run. A run on a GPU
+            leaves malloc alone whatever this says.
+        compile: ``torch.compile`` each of the module's networks in place (checkpoint keys unchanged): the first
+            steps are slow, the rest faster on a GPU.
+        matmul_precision: ``torch.set_float32_matmul_precision`` for the run: ``high`` lets Ampere+ GPUs use TF32
+            tensor cores for float32 matmuls; ``null``: PyTorch's own (``highest``).
+    """
+
+    def __init__(
+        self,
+        keep_freed_host_memory: bool = True,
+        compile: bool = False,
+        matmul_precision: Literal["highest", "high", "medium"] | None = None,
+    ) -> None:
+        self.keep_freed_host_memory, self.compile, self.matmul_precision = (
+            keep_freed_host_memory,
+            compile,
+            matmul_precision,
+        )
+
+    def callbacks(self, given: list[Callback]) -> list[Callback]:
+        """The switches this turns on, less those of a kind ``given`` already holds (a config of a copy made before
+        1.0.0 lists them as callbacks)."""
+        from steadfast.host_memory import KeepFreedHostMemory
+
+        wanted: list[Callback] = []
+        if self.keep_freed_host_memory:
+            wanted.append(KeepFreedHostMemory())
+        if self.compile:
+            wanted.append(Compile())
+        if self.matmul_precision is not None:
+            wanted.append(MatmulPrecision(self.matmul_precision))
+        return [c for c in wanted if not any(type(g) is type(c) for g in given)]

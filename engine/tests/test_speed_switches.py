@@ -63,3 +63,23 @@ def test_gpu_config_trains_on_cpu_and_its_checkpoint_validates_in_a_plain_run(tm
     assert validated not in (reference, run)
     [(_, plain_acc)] = scalars(validated)["val/acc"]
     assert plain_acc == pytest.approx(logged["val/acc"][-1][1], abs=0.02)
+
+
+def test_speed_settings_hold_with_the_users_own_callbacks_list(tmp_path, capsys):
+    """``speed:`` is a setting, not a callback a user's ``trainer.callbacks`` list replaces: with a list of their
+    own, the switches asked for are on (named in the start line), once each, and for the run only."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.helpers import cli_in_process
+
+    before = torch.get_float32_matmul_precision()
+    other = "medium" if before != "medium" else "high"
+    own = ["--trainer.callbacks", '[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
+           '"init_args": {"every_n_train_steps": 1}}]']  # fmt: skip
+    cli = cli_in_process("fit", *own, "--speed.matmul_precision", other, "--trainer.max_steps", "2",
+                         "--trainer.limit_val_batches", "1", *QUIET, root=tmp_path)  # fmt: skip
+    kinds = [type(c).__name__ for c in cli.trainer.callbacks]
+    assert kinds.count("MatmulPrecision") == 1 and kinds.count("KeepFreedHostMemory") == 1, kinds
+    assert any(type(c) is ModelCheckpoint and c._every_n_train_steps == 1 for c in cli.trainer.callbacks)
+    assert f"float32 matmuls at '{other}' precision" in capsys.readouterr().out
+    assert torch.get_float32_matmul_precision() == before
