@@ -1,6 +1,7 @@
 """Host memory a training step frees stays with the process for the next step, instead of going back to the kernel
-and being faulted in again, page by page, zeroed: ``KeepFreedHostMemory``, the switch ``speed.keep_freed_host_memory`` (on by default),
-on for CPU runs only, named in the start line and undone when the run ends."""
+and being faulted in again, page by page, zeroed: ``KeepFreedHostMemory``, the setting
+``speed.keep_freed_host_memory`` (on by default), for CPU runs only, named in the start
+line and undone when the run ends."""
 
 import ctypes
 import os
