@@ -11,7 +11,9 @@ What it guarantees, and what user code does to get each guarantee:
   plain ``DataLoader``s from the ``*_dataloader`` hooks; the engine puts in its samplers, as Lightning puts in its
   ``DistributedSampler``. What it cannot rebuild (an
   ``IterableDataset`` without state, your own sampler or batch sampler) is named in the start line. Draw
-  randomness from torch/numpy/random's global generators, or seed it per sample.
+  randomness from torch/numpy/random's global generators, or seed it per sample. A resume checks it
+  (``next_batch``): each checkpoint records the batch its run trains on next, and the resumed run's start line says
+  ``resume verified`` at its first batch, or names the first difference, or why it could not compare.
 - **Elastic resume** (``elastic``, ``loaders``, ``resume``): ``fit --ckpt_path last --trainer.devices M`` continues
   a run of N ranks with the same samples in the same global batches, the same optimizer steps, LR and
   ``global_step``, within float-reduction noise: the epoch's order does not depend on the number of ranks (padded

@@ -1,6 +1,7 @@
 """The one line a run starts with: where it writes, what it resumed from, and which guarantee user code opted out of."""
 
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -22,14 +23,34 @@ class Guarantees(Callback):
     ``Run runs/digits/version_3 (continues from step 50 of runs/digits/version_3/checkpoints/last.ckpt) | 2 x cuda |
     exact resume: yes, also mid-epoch | logs: TensorBoard``
     and after ``opts out:`` each guarantee the configuration or user code gives up, with the reason.
+
+    A resumed fit prints it at its first batch, having compared that batch with the checkpoint's record of its next
+    one (``steadfast.next_batch``): ``exact resume: resume verified (...)``, ``no, <the first difference>`` or
+    ``not verified: <why>``, not a claim.
     """
 
     def __init__(self, plan: RunPlan, unknown_loggers: list[str], policy: CheckpointPolicy) -> None:
         self.plan, self.unknown_loggers, self.policy = plan, unknown_loggers, policy
+        self._to_print = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._to_print = True
+        if trainer.ckpt_path is None:  # a resume waits for its first batch, to say what it verified
+            self._print(trainer, None)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+        if self._to_print:
+            resume = _exact_resume(trainer)
+            self._print(trainer, resume.verify(trainer) if resume is not None else None)  # every rank: it gathers
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._to_print:  # a resumed fit that had no batch left to run
+            self._print(trainer, ("unverified", "not verified: the resumed fit ran no training batch"))
+
+    def _print(self, trainer: L.Trainer, verdict: tuple[str, str] | None) -> None:
+        self._to_print = False
         if trainer.is_global_zero:
-            print(self.line(trainer), flush=True)
+            print(self.line(trainer, verdict), flush=True)
 
     # validate/test/predict: where their results go and which weights they evaluate, in one line too, e.g.
     # ``Run runs/digits/version_4 (test of runs/digits/version_3/checkpoints/last.ckpt, step 50) | 1 x cpu | logs: ...``
@@ -74,7 +95,7 @@ class Guarantees(Callback):
             logs += f" ({', '.join(held)}: values handed over at each checkpoint)"
         return logs
 
-    def line(self, trainer: L.Trainer) -> str:
+    def line(self, trainer: L.Trainer, verdict: tuple[str, str] | None = None) -> str:
         plan = self.plan
         if plan.continues:
             start = f"continues from step {plan.global_step} of {plan.resumed_from}"
@@ -94,7 +115,7 @@ class Guarantees(Callback):
         elif any(isinstance(dl, ResumableDataLoader) and type(dl.sampler) is not ResumableSampler for dl in loaders):
             out.append("overfit_batches: a mid-epoch resume loads the consumed batches again to skip them")
         out += notes.get("val", [])  # built by now unless the sanity check is off
-        resume = next((c for c in trainer.callbacks if isinstance(c, ExactResume)), None)
+        resume = _exact_resume(trainer)
         out += resume.notes(trainer, trainer.lightning_module) if resume is not None else []
         if not torch.are_deterministic_algorithms_enabled() and trainer.strategy.root_device.type == "cuda":
             out.append("deterministic is off: nondeterministic CUDA kernels, so a resume is close, not bitwise equal")
@@ -108,7 +129,10 @@ class Guarantees(Callback):
         out += [
             f"logger {name}: unknown to the engine, a resume starts a new run in it" for name in self.unknown_loggers
         ]
-        exact = "yes, also mid-epoch" if not out else "see opts out"
+        if verdict is not None:  # a resume: what its first batch showed
+            exact = verdict[1] + ("; see opts out" if out else "")
+        else:
+            exact = "yes, also mid-epoch" if not out else "see opts out"
         elastic = f" | elastic: {resume.elastic_note}" if resume is not None and resume.elastic_note else ""
         line = (
             f"Run {trainer.default_root_dir} ({start}) | {self._ranks(trainer)} | exact resume: {exact}{elastic}"
@@ -136,6 +160,10 @@ def speed_switches(trainer: L.Trainer) -> str:
         on += ["no CRC-32 in checkpoints"] if not io.crc32 else []
     on += [callback.describe() for callback in trainer.callbacks if isinstance(callback, SpeedSwitch)]
     return " | speed: " + ", ".join(on) if on else ""
+
+
+def _exact_resume(trainer: L.Trainer) -> ExactResume | None:
+    return next((c for c in trainer.callbacks if isinstance(c, ExactResume)), None)
 
 
 def _loader_notes(trainer: L.Trainer) -> dict[str, list[str]]:

@@ -120,6 +120,11 @@ class ResumableDataLoader(DataLoader):
     """
 
     _restore: tuple[int, int] | None = None  # (epoch, batches) from a checkpoint, applied when that epoch starts
+    # ``next_batch``'s: whether to record the next batch yielded (a resumed run's first), that record, and the record
+    # of the batch after the last save with its (epoch, batches)
+    watch_first_batch = False
+    first_batch: torch.Tensor | None = None
+    next_batch: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
@@ -134,6 +139,10 @@ class ResumableDataLoader(DataLoader):
         else:
             batches = itertools.islice(super().__iter__(), skip, None)
         for batch in batches:
+            if self.watch_first_batch:  # a resume's first: for the start line to compare with the checkpoint's
+                from steadfast.next_batch import observe  # (next_batch reads this class)
+
+                self.first_batch, self.watch_first_batch = observe(self, batch), False
             self._yielded += 1
             yield batch
 

@@ -17,6 +17,7 @@ from steadfast.compat import (
     start_the_epoch_lightning_skipped,
 )
 from steadfast.elastic import Shape, epoch_note, has_batch_norm
+from steadfast.next_batch import record, verdict, watch
 from steadfast.sharded import ShardedStrategy
 
 
@@ -47,6 +48,9 @@ class ExactResume(Callback):
     of one of its epochs: a resume on another number of ranks keeps the global batch (``elastic.global_batch`` sets
     ``elastic_note``, ``resized``), rewrites the loop's micro-batch counts here, and ``notes`` says what cannot follow
     to the start line (an epoch that ``limit_train_batches`` now ends at other samples among them).
+
+    And a fingerprint of the batch the run trains on next (``steadfast.next_batch``): a resumed run compares its
+    first batch with it, and the start line says ``resume verified`` or names the first difference (``verify``).
     """
 
     def __init__(self) -> None:
@@ -64,6 +68,8 @@ class ExactResume(Callback):
         self._not_trained: dict[str, Metric] = {}  # not updated by a training step yet: validation's, or unused
         self._metrics_to_restore: list[dict[str, dict[str, Any]]] | None = None
         self._loaded = False  # the checkpoint resumed from held this callback's state
+        self._next_batch: list[Any] | None = None  # the checkpoint's records of its next batch
+        self._verdict: tuple[str, str] | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -117,13 +123,15 @@ class ExactResume(Callback):
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
         threads = torch.get_num_threads()
-        shape = {"shape": self.shape.as_dict()} if self.shape is not None else {}
+        more: dict[str, Any] = {"shape": self.shape.as_dict()} if self.shape is not None else {}
         if self.shape is not None and trainer is not None and trainer.num_training_batches < math.inf:
             # limit_train_batches counts micro-batches: what an epoch was in samples, for a resume on another shape
-            shape["epoch_samples"] = int(_epoch_samples(trainer, self.shape))
+            more["epoch_samples"] = int(_epoch_samples(trainer, self.shape))
         trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
+        if trainer is not None and trainer.state.fn == "fit" and trainer.train_dataloader is not None:
+            more["next_batch"] = record(trainer)  # leaves the generators as they were
         if trainer is None or trainer.world_size == 1:
-            return {"ranks": [_rng_tensors()], "metrics": [_metric_states(trained)], "threads": threads, **shape}
+            return {"ranks": [_rng_tensors()], "metrics": [_metric_states(trained)], "threads": threads, **more}
         # the same metrics on every rank, so that every rank runs the same gathers
         flags = torch.tensor([name not in self._not_trained for name in self._metrics], dtype=torch.uint8)
         device = trainer.strategy.root_device  # NCCL gathers only device tensors
@@ -138,7 +146,7 @@ class ExactResume(Callback):
         metrics = [
             _nest({k[len("metric:") :]: v for k, v in rank.items() if k.startswith("metric:")}) for rank in ranks
         ]
-        return {"ranks": rng, "metrics": metrics, "threads": threads, **shape}
+        return {"ranks": rng, "metrics": metrics, "threads": threads, **more}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = True
@@ -148,6 +156,14 @@ class ExactResume(Callback):
         self.saved_shape = Shape(**state_dict["shape"]) if "shape" in state_dict else None
         self.saved_epoch_samples = state_dict.get("epoch_samples")
         self._threads_saved = state_dict.get("threads")  # absent from checkpoints written before it was saved
+        self._next_batch = state_dict.get("next_batch")  # absent from those written before it was recorded
+
+    def verify(self, trainer: L.Trainer) -> tuple[str, str]:
+        """``("verified" | "differs" | "unverified", words)`` for the start line: the resumed run's first batch
+        against the checkpoint's record. Call it on every rank at the first training batch (it gathers once)."""
+        if self._verdict is None:
+            self._verdict = verdict(trainer, self._next_batch, resumed_from_lightning=not self._loaded)
+        return self._verdict
 
     def notes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
         """What of the original run a resume on another number of ranks cannot continue, for the start line."""
@@ -186,6 +202,8 @@ class ExactResume(Callback):
         return out
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.ckpt_path is not None:
+            watch(trainer)  # its first batch, for ``verify``
         if self.resized is not None and self.resized[0] != self.resized[1]:
             rescale_batch_progress(trainer, *self.resized)
         ranks, self._to_restore = self._to_restore, None
