@@ -178,10 +178,14 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
         assert match, out[-3000:]
         assert "pair.cc" not in out and "Connection reset" not in out, out[-3000:]  # no gloo traceback wall
         start = "(fresh)" if resumed_from is None else f"(continues from step {resumed_from} of {last})"
+        # a resume from an epoch's end (4 steps of 2 x 64 samples): the next epoch's first batch, as recorded
+        exact = "yes, also mid-epoch" if resumed_from is None else (
+            f"resume verified (epoch {resumed_from // 4}, batch 0: 128 samples on 2 rank(s), those the checkpoint's "
+            "run would have trained next)")  # fmt: skip
         lines = console_lines(proc.stdout) + console_lines(proc.stderr)
         expected = [
             "`Trainer(limit_val_batches=1)` was configured so 1 batch will be used.",
-            f"Run runs/{RUN_NAME}/version_0 {start} | 2 x cpu | exact resume: yes, also mid-epoch"
+            f"Run runs/{RUN_NAME}/version_0 {start} | 2 x cpu | exact resume: {exact}"
             f" | logs: ThrottledTensorBoardLogger{SPEED}",
         ]
         if resumed_from is not None:

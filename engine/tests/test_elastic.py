@@ -152,6 +152,10 @@ def test_a_two_rank_run_killed_mid_epoch_continues_on_one_rank_with_the_same_glo
     line = next(x for x in out.splitlines() if x.startswith("Run "))
     assert "elastic: 2 -> 1 rank(s): accumulate_grad_batches 1 -> 2 keeps the global batch of 8 samples" in line
     assert "random streams of 2 rank(s)" in line, line
+    # step 17: epoch 1's place 40 (5 steps of 8), the 1 rank's micro-batch 10 of 4 samples: the first 4 of the 8 the
+    # 2 ranks' batch held, interleaved in the epoch's order
+    verified = "exact resume: resume verified (epoch 1, batch 10: its 4 samples, the first of the checkpoint's 8 on 1"
+    assert verified in line, line
 
 
 @pytest.mark.slow
@@ -169,6 +173,8 @@ def test_a_one_rank_run_killed_mid_epoch_continues_on_two_ranks_with_the_same_gl
     assert_same_run(steps, final, uninterrupted)
     line = next(x for x in out.splitlines() if x.startswith("Run "))
     assert "elastic: 1 -> 2 rank(s): the same global batch of 8 samples" in line, line
+    verified = "exact resume: resume verified (epoch 0, batch 7: the first 4 of its 8 samples, all the checkpoint's"
+    assert verified in line, line
 
 
 @pytest.mark.slow

@@ -75,10 +75,10 @@ def uninterrupted(tmp_path_factory):
     return cwd
 
 
-def interrupted_then_resumed(cwd, args, step, sig=9):
+def interrupted_then_resumed(cwd, args, step, sig=9) -> str:
     proc = cli("fit", *args, *kill_at(step, sig), cwd=cwd, check=False)
     assert proc.returncode == -sig, proc.stderr[-2000:]
-    cli("fit", *args, "--ckpt_path", "last", cwd=cwd)
+    return cli("fit", *args, "--ckpt_path", "last", cwd=cwd).stdout
 
 
 @pytest.mark.long  # CI and make test-all; epoch-end resumes: test_resume_flags.py's case in make test
@@ -87,7 +87,7 @@ def test_resume_from_epoch_end_checkpoint_is_exact(uninterrupted, tmp_path):
     assert_same_run(uninterrupted, tmp_path)
 
 
-def killed_mid_epoch_then_resumed(cwd, args) -> None:
+def killed_mid_epoch_then_resumed(cwd, args) -> str:
     # settle: the test names the newest checkpoint; without it a loaded machine may still be writing it when the kill
     # comes, leaving an older one (which a resume handles, as the random-step test checks)
     proc = cli("fit", *args, *kill_at(55, settle=True), cwd=cwd, check=False)
@@ -95,12 +95,19 @@ def killed_mid_epoch_then_resumed(cwd, args) -> None:
     last = torch.load(run_dirs(cwd)[0] / "checkpoints" / "last.ckpt", weights_only=True)
     progress = last["loops"]["fit_loop"]["epoch_loop.batch_progress"]
     assert last["global_step"] == 50 and 0 < progress["current"]["completed"] < 20  # mid-epoch (epoch 3 of 20)
-    cli("fit", *args, "--ckpt_path", "last", cwd=cwd)
+    return cli("fit", *args, "--ckpt_path", "last", cwd=cwd).stdout
 
 
-def test_resume_from_mid_epoch_checkpoint_is_exact(uninterrupted, tmp_path):
-    killed_mid_epoch_then_resumed(tmp_path, BASE)
+def start_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("Run "))
+
+
+def test_resume_from_mid_epoch_checkpoint_is_exact_and_says_it_verified_its_first_batch(uninterrupted, tmp_path):
+    out = killed_mid_epoch_then_resumed(tmp_path, BASE)
     assert_same_run(uninterrupted, tmp_path)
+    # step 50: epoch 2's batch 10 (the epochs count from 0), as the checkpoint recorded it
+    verified = "exact resume: resume verified (epoch 2, batch 10: 64 samples on 1 rank(s), those the checkpoint's run"
+    assert verified in start_line(out), start_line(out)
 
 
 @pytest.mark.long  # CI and make test-all; the mid-epoch resume again, with workers
@@ -126,7 +133,10 @@ def test_two_rank_ddp_resume_mid_epoch_is_exact(tmp_path):
     reference.mkdir()
     resumed.mkdir()
     cli("fit", *DDP, cwd=reference)
-    interrupted_then_resumed(resumed, DDP, step=53)
+    out = interrupted_then_resumed(resumed, DDP, step=53)
+    # step 50: epoch 3's batch 8 of 14; each rank's 48 samples compared, in the epoch's order over both
+    verified = "exact resume: resume verified (epoch 3, batch 8: 96 samples on 2 rank(s), those the checkpoint's run"
+    assert verified in start_line(out), start_line(out)
     # The epoch-level train metrics of the resumed epoch are not exact under DDP: the checkpoint holds rank 0's
     # metric state only, which every rank restores. Weights, per-step loss, LR and validation are.
     assert_same_run(reference, resumed, tags=("train/loss", "lr", "val/acc", "val/loss"))

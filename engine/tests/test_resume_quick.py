@@ -12,7 +12,7 @@ ARGS = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "6
         "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
 
 
-def test_crashed_fit_resumes_mid_epoch_bitwise_equal(tmp_path):
+def test_crashed_fit_resumes_mid_epoch_bitwise_equal_and_says_it_verified_its_first_batch(tmp_path, capsys):
     cli_in_process("fit", *ARGS, root=tmp_path / "reference")
     with pytest.raises(RuntimeError, match="injected crash"):
         cli_in_process("fit", *ARGS, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=10",
@@ -21,7 +21,11 @@ def test_crashed_fit_resumes_mid_epoch_bitwise_equal(tmp_path):
     saved = torch.load(last, weights_only=True)
     progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]
     assert saved["global_step"] == 8 and 0 < progress["current"]["completed"] < 6  # mid-epoch: epoch 1 of 6 batches
+    capsys.readouterr()
     cli_in_process("fit", *ARGS, "--ckpt_path", "last", root=tmp_path / "resumed")
+    start = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Run /")][-1]
+    expected = "exact resume: resume verified (epoch 1, batch 2: 64 samples on 1 rank(s), those the checkpoint's run"
+    assert expected in start, start
     ref = torch.load(str(last).replace("resumed", "reference"), weights_only=True)["state_dict"]
     got = torch.load(last, weights_only=True)["state_dict"]
     assert all(torch.equal(got[k], v) for k, v in ref.items() if k.startswith("net."))

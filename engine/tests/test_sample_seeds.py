@@ -74,7 +74,30 @@ def test_a_kill_and_resume_with_persistent_augmenting_workers_is_exact(tmp_path,
     assert killed.returncode == -9, killed.stderr[-2000:]
     saved = torch.load(run_dirs(resumed, "augmented_blobs")[0] / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == (8 if step == 10 else 12)  # the precondition: where the resume starts
-    cli("fit", *AUG, "--ckpt_path", "last", cwd=resumed)
+    out = cli("fit", *AUG, "--ckpt_path", "last", cwd=resumed).stdout
+    start = next(line for line in out.splitlines() if line.startswith("Run "))
+    assert "exact resume: resume verified (epoch" in start, start  # each worker-augmented sample as recorded
     (ref_step, want), (got_step, got) = final_weights(reference), final_weights(resumed)
     diffs = {k: (got[k] - v).abs().max().item() for k, v in want.items()}
     assert ref_step == got_step == 18 and all(torch.equal(got[k], v) for k, v in want.items()), diffs
+
+
+@pytest.mark.slow
+@pytest.mark.long  # CI and make test-all; the first difference is named in the fast tier (tests/test_next_batch.py)
+def test_a_resume_with_unseeded_augmenting_workers_names_the_first_sample_augmented_otherwise(tmp_path):
+    unseeded = [*AUG, "--run.seed_per_sample", "false"]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir(), resumed.mkdir()
+    cli("fit", *unseeded, cwd=reference)
+    killed = cli("fit", *unseeded, *kill_at(10, settle=True), cwd=resumed, check=False)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    out = cli("fit", *unseeded, "--ckpt_path", "last", cwd=resumed).stdout
+    start = next(line for line in out.splitlines() if line.startswith("Run "))
+    order = torch.randperm(1259, generator=torch.Generator().manual_seed(42 + 1))  # epoch 1's, from seed + epoch
+    expected = (
+        f"exact resume: no, augmentation: sample {order[128]} (epoch 1, place 128 in its order) holds other values "
+        "than in the checkpoint's run: loader workers draw it from streams of their own"
+    )
+    assert expected in start, start
+    (_, want), (_, got) = final_weights(reference), final_weights(resumed)
+    assert not all(torch.equal(got[k], v) for k, v in want.items())  # so it is: the resume drifted

@@ -1,0 +1,99 @@
+"""A resumed run compares its first batch with the checkpoint's record of the batch its run would have trained next,
+and its start line says what that showed: ``resume verified`` (tests/test_resume*.py, test_elastic.py,
+test_sample_seeds.py, against uninterrupted runs), or the first difference, or why nothing could be compared.
+The differences here are made on purpose; the oracles are the engine's documented order (a permutation drawn from
+``seed + epoch``), computed here, and the final weights of an uninterrupted run."""
+
+import pytest
+import torch
+from steadfast.next_batch import _hashes
+
+from tests.helpers import QUIET, cli_in_process
+
+SEED = 42  # configs/default.yaml's seed_everything: the engine's samplers draw each epoch's order from seed + epoch
+TRAIN = 1797 - 2 * int(1797 * 0.15)  # the stand-in's training samples
+# 6 batches of 64 an epoch; last.ckpt every 4 steps: a crash at step 10 resumes from step 8, epoch 1's batch 2
+ARGS = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "1",
+        "--model.warmup", "1", "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
+        "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
+        "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+CRASH_AT = ["--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step"]
+
+
+def crashed_then_resumed(root, args: list[str], step: int, resume_args: tuple[str, ...] = ()) -> None:
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *args, *CRASH_AT, str(step), root=root)
+    cli_in_process("fit", *args, *resume_args, "--ckpt_path", "last", root=root)
+
+
+def resumed_start_line(out: str) -> str:
+    return [line for line in out.splitlines() if line.startswith("Run /")][-1]
+
+
+def net_weights(root, name: str) -> dict[str, torch.Tensor]:
+    (last,) = root.glob(f"{name}/version_*/checkpoints/last.ckpt")
+    return {k: v for k, v in torch.load(last, weights_only=True)["state_dict"].items() if k.startswith("net.")}
+
+
+def test_a_dataset_drawing_from_os_urandom_is_named_at_the_first_sample_whose_values_differ(tmp_path, capsys):
+    args = [*ARGS, "--data", "tests.fixtures.unseeded.UnseededBlobs"]
+    cli_in_process("fit", *args, root=tmp_path / "reference")
+    crashed_then_resumed(tmp_path / "resumed", args, step=10)
+    line = resumed_start_line(capsys.readouterr().out)
+    order = torch.randperm(TRAIN, generator=torch.Generator().manual_seed(SEED + 1))  # epoch 1's
+    first = 2 * 64  # the resume continues after epoch 1's 2 batches of 64
+    expected = (
+        f"exact resume: no, data: sample {order[first]} (epoch 1, place {first} in its order) holds other values than "
+        "in the checkpoint's run: the dataset draws from a source the engine does not seed (os.urandom, time, a "
+        "generator of its own), or its data changed since the save | logs:"
+    )
+    assert expected in line, line
+    # what it says is so: the resumed run does not end where the uninterrupted one does
+    want, got = (
+        net_weights(tmp_path / "reference", "unseeded_blobs"),
+        net_weights(tmp_path / "resumed", "unseeded_blobs"),
+    )
+    assert not all(torch.equal(got[k], v) for k, v in want.items())
+
+
+BYO = [*QUIET, "--model", "tests.fixtures.byo.MyModel", "--data", "tests.fixtures.byo.MyData", "--run.monitor", "null",
+       "--data.n_train", "96", "--data.batch_size", "8", "--trainer.max_epochs", "1",
+       "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
+       "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
+       "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+
+
+def test_a_loader_order_changed_between_save_and_resume_is_named_at_the_first_place_that_differs(tmp_path, capsys):
+    # saved with shuffle=True after 4 batches of 8 (place 32 of epoch 0), resumed with a WeightedRandomSampler
+    crashed_then_resumed(tmp_path, BYO, step=6, resume_args=("--data.train_sampler", "weighted"))
+    line = resumed_start_line(capsys.readouterr().out)
+    shuffled = torch.randperm(96, generator=torch.Generator().manual_seed(SEED))
+    weights = torch.linspace(0.5, 2.0, 96, dtype=torch.double)  # the fixture's, as WeightedRandomSampler keeps them
+    weighted = torch.multinomial(weights, 96, True, generator=torch.Generator().manual_seed(SEED))
+    place = next(k for k in range(32, 96) if shuffled[k] != weighted[k])
+    expected = (
+        f"exact resume: no, data order: epoch 0, place {place} in its order is sample {weighted[place]}, the "
+        f"checkpoint's run had sample {shuffled[place]} there (the loader's order changed since the save: its "
+        "sampler, shuffle, batch size or data) | logs:"
+    )
+    assert expected in line, line
+
+
+def test_a_loader_the_engine_cannot_replay_is_named_and_nothing_is_said_verified(tmp_path, capsys):
+    crashed_then_resumed(tmp_path, [*BYO, "--data.train_sampler", "own"], step=5)
+    line = resumed_start_line(capsys.readouterr().out)
+    assert (
+        "exact resume: not verified: train loader 0: its EveryOtherSampler is the user's own, whose order the engine "
+        "cannot replay; see opts out |" in line
+    ), line
+
+
+def test_a_samples_hash_is_its_own_whatever_batch_holds_it():
+    a, b, c = (torch.randn(3, 4, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    rows, whole = _hashes({"x": torch.stack([a, b, c]), "name": ["a", "b", "c"]}, 3)
+    other_rows, other_whole = _hashes({"x": torch.stack([c, a]), "name": ["c", "a"]}, 2)
+    assert other_rows == [rows[2], rows[0]] and len(set(rows)) == 3 and other_whole != whole
+    changed = a.clone()
+    changed[1, 2] = torch.nextafter(changed[1, 2], torch.tensor(1.0))  # one bit of one value
+    assert _hashes({"x": torch.stack([changed, b, c]), "name": ["a", "b", "c"]}, 3)[0][1:] == rows[1:]
+    assert _hashes({"x": torch.stack([changed, b, c]), "name": ["a", "b", "c"]}, 3)[0][0] != rows[0]
