@@ -40,6 +40,7 @@ from steadfast.sharded import ShardedStrategy as Sharded
 from steadfast.sharded import check_same_network
 from steadfast.signals import Preemption
 from steadfast.speed import Speed
+from steadfast.stream_resume import StreamResume
 from steadfast.user_loaders import UserLoaders
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -125,9 +126,11 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         # config's callback list, where it would make `--trainer.enable_progress_bar false` an error. A bar the
         # config brings wins.
         policy: CheckpointPolicy = cli_section(self, self.config_init, "checkpoints")
+        runs = cli_section(self, self.config_init, "run")
+        streams = StreamResume(runs.stream_resume)  # the train streams' positions, per rank and loader worker
         if self.run_plan is not None:  # before the bar: the start line is printed before the bar's first frame
             self.run_folder = RunFolder(self.run_plan)
-            callbacks += [self.run_folder, Guarantees(self.run_plan, self.unknown_loggers, policy)]
+            callbacks += [self.run_folder, Guarantees(self.run_plan, self.unknown_loggers, policy, streams)]
         # run.monitor's ModelCheckpoint and EarlyStopping (in every subcommand: a checkpoint names their states),
         # checked before either acts
         from_run, said = run_monitor_callbacks(cli_section(self, self.config_init, "run"), callbacks, base_monitor())
@@ -151,12 +154,12 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
         # a dead rank, or a hung one (run.hang_timeout), ends the run in one line; before DestroyProcessGroup
         failures = RankFailures()
-        runs = cli_section(self, self.config_init, "run")
         kwargs["callbacks"] = [
             *callbacks,
             failures,
             HangWatchdog(runs.hang_timeout, failures.report),
-            UserLoaders(seed_per_sample=runs.seed_per_sample),  # the engine's samplers in the user's loaders
+            UserLoaders(seed_per_sample=runs.seed_per_sample, streams=streams),  # the engine's samplers in them
+            streams,
         ]
         if config.get("profiler") is None:
             kwargs["profiler"] = NoProfiler()

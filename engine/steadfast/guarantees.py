@@ -15,6 +15,7 @@ from steadfast.checkpoint_policy import CheckpointPolicy
 from steadfast.loaders import ResumableDataLoader, ResumableSampler
 from steadfast.resume import ExactResume
 from steadfast.runs import RunPlan
+from steadfast.stream_resume import StreamLoader, StreamResume
 from steadfast.user_loaders import UserLoaders, saves_its_state
 
 
@@ -29,8 +30,10 @@ class Guarantees(Callback):
     ``not verified: <why>``, not a claim.
     """
 
-    def __init__(self, plan: RunPlan, unknown_loggers: list[str], policy: CheckpointPolicy) -> None:
-        self.plan, self.unknown_loggers, self.policy = plan, unknown_loggers, policy
+    def __init__(
+        self, plan: RunPlan, unknown_loggers: list[str], policy: CheckpointPolicy, streams: StreamResume | None = None
+    ) -> None:
+        self.plan, self.unknown_loggers, self.policy, self.streams = plan, unknown_loggers, policy, streams
         self._to_print = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -110,7 +113,9 @@ class Guarantees(Callback):
         loaders = CombinedLoader(trainer.train_dataloader).flattened if trainer.train_dataloader is not None else []
         notes = _loader_notes(trainer)
         out += notes.get("train", [])
-        if any(not saves_its_state(dl) for dl in loaders) and not notes.get("train"):
+        out += self.streams.notes(trainer) if self.streams is not None else []
+        kept = [dl for dl in loaders if saves_its_state(dl) or isinstance(dl, StreamLoader)]  # a position saved
+        if len(kept) < len(loaders) and not notes.get("train"):
             out.append("a train loader not from a hook (given to fit): a mid-epoch resume restarts that epoch's data")
         elif any(isinstance(dl, ResumableDataLoader) and type(dl.sampler) is not ResumableSampler for dl in loaders):
             out.append("overfit_batches: a mid-epoch resume loads the consumed batches again to skip them")
@@ -134,6 +139,8 @@ class Guarantees(Callback):
         else:
             exact = "yes, also mid-epoch" if not out else "see opts out"
         elastic = f" | elastic: {resume.elastic_note}" if resume is not None and resume.elastic_note else ""
+        streams = self.streams.describe() if self.streams is not None else []
+        elastic += " | streams: " + "; ".join(streams) if streams else ""  # what resuming each one costs
         line = (
             f"Run {trainer.default_root_dir} ({start}) | {self._ranks(trainer)} | exact resume: {exact}{elastic}"
             f" | logs: {self._logs(trainer)}"

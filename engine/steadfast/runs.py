@@ -64,6 +64,12 @@ class Runs:
             another number of workers or ranks augment each sample alike (``steadfast.sample_seeds``; ~8 us a
             sample). ``false``: each worker's own stream, as plain PyTorch, and the start line says a resume is
             inexact.
+        stream_resume: How a mid-epoch resume continues a train ``IterableDataset`` without ``state_dict`` (one
+            with it resumes at its own state): ``fast_forward`` reads again the samples trained on, per loader
+            worker and rank, without training on them, and checks the samples after them against the checkpoint's
+            fingerprint (a stream whose order is not a function of the seed and epoch stops there in one line);
+            ``restart`` starts that epoch's data again (samples trained on are trained on twice)
+            (``steadfast.stream_resume``).
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class Runs:
         test_after_fit: bool = False,
         hang_timeout: float | None = 300.0,
         seed_per_sample: bool = True,
+        stream_resume: Literal["fast_forward", "restart"] = "fast_forward",
     ) -> None:
         if name is not None and (not name or "/" in name or name in (".", "..")):
             raise ValueError(f"run.name ({name!r}) must be one folder name, without '/'")
@@ -91,7 +98,7 @@ class Runs:
         if hang_timeout is not None and not hang_timeout > 0:
             raise ValueError(f"run.hang_timeout ({hang_timeout}) must be > 0 seconds, or null to never end a hung run")
         self.root, self.name, self.test_after_fit = root, name, test_after_fit
-        self.hang_timeout, self.seed_per_sample = hang_timeout, seed_per_sample
+        self.hang_timeout, self.seed_per_sample, self.stream_resume = hang_timeout, seed_per_sample, stream_resume
         self.monitor, self.mode, self.save_top_k, self.patience = monitor, mode, save_top_k, patience
 
 

@@ -26,6 +26,7 @@ from steadfast.compat import loader_with_sampler, uses_distributed_sampler
 from steadfast.elastic import global_batch
 from steadfast.loaders import ResumableDataLoader, ResumableSampler, check_eval_share, check_train_batch
 from steadfast.sample_seeds import can_seed, worker_init
+from steadfast.stream_resume import StreamResume
 
 HOOKS = {f"{split}_dataloader": split for split in ("train", "val", "test", "predict")}
 # The samplers whose order the engine redraws from (seed, epoch); any other is the user's own and left alone.
@@ -42,14 +43,16 @@ class UserLoaders(Callback):
     run's (``seed_everything``, which Lightning's ``DistributedSampler`` takes too; 0 without one): a generator the
     user gave the loader cannot be read back, and each checkpoint keeps the seed its run used.
 
+    A train loader over an ``IterableDataset`` resumes at its position instead (``streams``, ``stream_resume``).
     Left alone: a loader that saves its own state (torchdata's ``StatefulDataLoader``: Lightning saves and restores
-    it), and what the engine cannot rebuild (an ``IterableDataset``, a sampler or batch sampler of the user's own);
-    ``notes`` says, per split, which guarantee those give up, for the run's start line. The hooks are wrapped on
-    the instances in ``setup`` and restored in ``teardown``.
+    it), and what the engine cannot rebuild (an evaluation ``IterableDataset``, a sampler or batch sampler of the
+    user's own); ``notes`` says, per split, which guarantee those give up, for the run's start line. The hooks are
+    wrapped on the instances in ``setup`` and restored in ``teardown``.
     """
 
-    def __init__(self, seed_per_sample: bool = True) -> None:
+    def __init__(self, seed_per_sample: bool = True, streams: StreamResume | None = None) -> None:
         self.seed_per_sample = seed_per_sample  # run.seed_per_sample (steadfast.sample_seeds)
+        self.streams = streams  # keeps the train streams' positions (steadfast.stream_resume)
         self.notes: dict[str, list[str]] = {}
         self._wrapped: list[tuple[Any, str]] = []
 
@@ -69,6 +72,8 @@ class UserLoaders(Callback):
         def with_engine_samplers() -> Any:
             loaders = hook()
             combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders)
+            if split == "train" and self.streams is not None:
+                self.streams.rebuilding()
             rebuilt = [self._engine_loader(loader, trainer, split) for loader in combined.flattened]
             combined.flattened = [loader for loader, _ in rebuilt]
             self.notes[split] = [f"{split} loader {i}: {note}" for i, (_, note) in enumerate(rebuilt) if note]
@@ -78,7 +83,7 @@ class UserLoaders(Callback):
         return with_engine_samplers
 
     def _engine_loader(self, loader: Any, trainer: L.Trainer, split: str) -> tuple[Any, str | None]:
-        rebuilt, note = engine_loader(loader, trainer, split, self.seed_per_sample)
+        rebuilt, note = engine_loader(loader, trainer, split, self.seed_per_sample, self.streams)
         sampler = getattr(rebuilt, "sampler", None)
         if isinstance(sampler, ResumableSampler) and sampler.epoch_in_keys:
             # each worker seeds its own copy of the dataset as it starts, then runs the user's worker_init_fn
@@ -91,9 +96,12 @@ class UserLoaders(Callback):
         return rebuilt, note
 
 
-def engine_loader(loader: Any, trainer: L.Trainer, split: str, seeded: bool = False) -> tuple[Any, str | None]:
+def engine_loader(
+    loader: Any, trainer: L.Trainer, split: str, seeded: bool = False, streams: StreamResume | None = None
+) -> tuple[Any, str | None]:
     """``loader`` with the engine's sampler, or ``loader`` itself; and the guarantee it gives up (``None``: none).
-    ``seeded``: a train loader's sampler hands out the keys of a dataset seeded per sample (``sample_seeds``)."""
+    ``seeded``: a train loader's sampler hands out the keys of a dataset seeded per sample (``sample_seeds``);
+    ``streams``: what resumes a train loader over an ``IterableDataset`` where it stopped (``stream_resume``)."""
     if not isinstance(loader, DataLoader) or saves_its_state(loader):
         return loader, None  # not a DataLoader (Lightning takes it as it is), or one that saves its own state
     ranks = trainer.distributed_sampler_kwargs or {}  # the data-parallel ranks (under sharding, not every rank)
@@ -101,6 +109,9 @@ def engine_loader(loader: Any, trainer: L.Trainer, split: str, seeded: bool = Fa
     train, sampler, sharded = split == "train", loader.sampler, isinstance(trainer.strategy, ModelParallelStrategy)
     split_by_lightning = uses_distributed_sampler(trainer)
     reason = _why_not(loader)
+    if reason is not None and train and streams is not None and isinstance(loader.dataset, IterableDataset):
+        rebuilt, note = streams.resumable(loader, trainer)
+        return rebuilt, None if note is None else f"{reason}: {note}"
     if reason is not None:
         iterable = isinstance(loader.dataset, IterableDataset)
         return loader, _gives_up(reason, split, world, split_by_lightning and not iterable, sharded)

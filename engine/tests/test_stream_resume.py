@@ -1,0 +1,160 @@
+"""A train ``IterableDataset`` in a plain ``DataLoader`` (tests/fixtures/streams.py) resumes mid-epoch where it
+stopped: killed with SIGKILL and resumed with ``fit --ckpt_path last``, each step trains on the sample ids the
+uninterrupted run trained on there (none twice, none skipped) and the final weights are equal; a stream with its
+own ``state_dict`` resumes at it, one without is fast-forwarded by count, per loader worker and rank."""
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from steadfast.stream_resume import Made, Position
+from tests.faults import kill_at
+from tests.helpers import DDP2, QUIET, cli, cli_in_process, max_abs_diff
+
+SAVE_EVERY = 9  # last.ckpt every 9 steps: a kill at step 30 resumes from step 27, mid-epoch
+
+
+def config(tmp_path: Path) -> list[str]:
+    path = tmp_path / "streams.yaml"
+    path.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args:\n"
+        "        save_top_k: 0\n        save_last: true\n        enable_version_counter: false\n"
+        f"        every_n_train_steps: {SAVE_EVERY}\n"
+        "model:\n  class_path: tests.fixtures.streams.NextToken\n"
+        "data:\n  class_path: tests.fixtures.streams.TokenData\n"
+    )
+    return ["--config", str(path), *QUIET, "--run.monitor", "null", "--data.batch_size", "4"]
+
+
+def record(cwd: Path) -> list[str]:
+    return ["--trainer.callbacks+=tests.fixtures.streams.RecordIds", f"--trainer.callbacks.path={cwd}"]
+
+
+def history(cwd: Path) -> dict[tuple[int, int], list[int]]:
+    """``{(rank, global step): sample ids}`` that the run in ``cwd`` trained on; a step the killed run took after
+    its last checkpoint is the resumed run's (written after it)."""
+    steps = {}
+    for path in sorted(cwd.glob("ids.rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            rank, step, ids = json.loads(line)
+            steps[rank, step] = ids
+    return steps
+
+
+def last(cwd: Path) -> dict:
+    (run,) = (cwd / "runs" / "token").glob("version_*")
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+def killed_and_resumed(tmp_path: Path, kill: int, saved: int, *flags: str, reference: Path | None = None):
+    """An uninterrupted fit (unless ``reference`` holds one) and one killed at step ``kill`` and resumed from step
+    ``saved``: (seen twice, skipped, steps that differ, max |delta| of the final weights and optimizer, the resumed
+    run's start line, the reference's folder)."""
+    resumed = tmp_path / ("resumed-" + "-".join(flags).replace("-", "").replace(".", "_"))
+    resumed.mkdir()
+    args = [*config(tmp_path), *flags]
+    if reference is None:
+        reference = tmp_path / "reference"
+        reference.mkdir()
+        cli("fit", *args, *record(reference), cwd=reference)
+    proc = cli("fit", *args, *record(resumed), *kill_at(kill, settle=True), cwd=resumed, check=False)
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    loops = last(resumed)["loops"]["fit_loop"]
+    assert last(resumed)["global_step"] == saved and loops["epoch_loop.batch_progress"]["current"]["completed"] > 0
+    proc = cli("fit", *args, *record(resumed), "--ckpt_path", "last", cwd=resumed)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
+    ref, got = history(reference), history(resumed)
+    counts, expected = Counter(i for ids in got.values() for i in ids), Counter(i for ids in ref.values() for i in ids)
+    twice, skipped = sum((counts - expected).values()), sum((expected - counts).values())
+    differ = sum(got.get(key) != ids for key, ids in ref.items()) + len(got.keys() - ref.keys())
+    a, b = last(reference), last(resumed)
+    diff = max(max_abs_diff(a["state_dict"], b["state_dict"]), max_abs_diff(a["optimizer_states"],
+                                                                         b["optimizer_states"]))  # fmt: skip
+    print(f"{flags}: seen twice {twice}, skipped {skipped}, steps that differ {differ}, max |delta| {diff}\n{line}")
+    return twice, skipped, differ, diff, line, reference
+
+
+@pytest.mark.slow
+def test_a_killed_fit_of_a_stream_resumes_at_its_state_or_fast_forwards_without_one(tmp_path):
+    # 97 samples in batches of 4: 25 steps an epoch; killed at step 30, resumed at step 27 (epoch 1, batch 2)
+    *seen, line, reference = killed_and_resumed(tmp_path, 30, 27, "--trainer.max_epochs", "2")
+    assert seen == [0, 0, 0, 0.0], seen
+    assert (
+        "exact resume: yes, also mid-epoch | streams: train loader 0 (Tokens): fast-forwarded past the 8 samples"
+        " of epoch 1 trained on (read again, not trained on; checked against the checkpoint's fingerprint" in line
+    )
+    *seen, line, _ = killed_and_resumed(tmp_path, 30, 27, "--trainer.max_epochs", "2", "--data.state", "true",
+                                        reference=reference)  # fmt: skip
+    assert seen == [0, 0, 0, 0.0], seen
+    assert "streams: train loader 0 (PositionedTokens): resumed at its state after the 8 samples of epoch 1" in line
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("state", ["false", "true"])
+def test_a_killed_fit_of_a_stream_in_two_loader_workers_resumes_in_the_uninterrupted_order(state, tmp_path):
+    # workers of 49 and 48 samples: 13 and 12 batches, handed out in turn; the resume continues with worker 1
+    flags = ["--trainer.max_epochs", "2", "--data.num_workers", "2", "--data.state", state]
+    *seen, line, _ = killed_and_resumed(tmp_path, 30, 27, *flags)
+    assert seen == [0, 0, 0, 0.0], seen
+    assert "the 8 samples of epoch 1 trained on" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("state", ["false", "true"])
+def test_a_killed_two_rank_fit_of_a_stream_resumes_each_rank_at_its_own_position(state, tmp_path):
+    # 194 samples: 97 a rank, 49 and 48 in its two workers; each rank resumes at its own shard's position
+    flags = ["--trainer.max_epochs", "2", "--data.n_train", "194", "--data.num_workers", "2", "--data.state", state]
+    *seen, line, _ = killed_and_resumed(tmp_path, 30, 27, *flags, *DDP2)
+    assert seen == [0, 0, 0, 0.0], seen
+    assert "the 16 samples of epoch 1 trained on" in line, line  # 8 on each rank
+
+
+def test_a_stream_whose_order_is_not_the_same_after_a_resume_stops_before_the_first_step(tmp_path, capsys):
+    """A stream shuffled from the global generator gives other samples after the fast-forward (in epoch 1 the
+    generator has drawn dropout masks before it): the run stops in one line before training on them;
+    ``--run.stream_resume restart`` is the user's choice to restart the epoch."""
+    args = [*config(tmp_path), "--trainer.max_epochs", "2", "--data.order", "global"]
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *args, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=30",
+                       root=tmp_path / "runs")  # fmt: skip
+    assert last(tmp_path)["global_step"] == 27  # epoch 1, batch 2
+    with pytest.raises(SystemExit) as stopped:
+        cli_in_process("fit", *args, "--ckpt_path", "last", root=tmp_path / "runs")
+    assert "train loader 0 (Tokens): after the fast-forward past the 8 samples trained on" in str(stopped.value)
+    assert "Resume with --run.stream_resume restart" in str(stopped.value)
+    assert last(tmp_path)["global_step"] == 27  # nothing trained, nothing saved
+    capsys.readouterr()
+    cli_in_process("fit", *args, "--ckpt_path", "last", "--run.stream_resume", "restart", root=tmp_path / "runs")
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Run "))
+    assert "exact resume: see opts out" in line and "run.stream_resume is restart: a mid-epoch resume restarts" in line
+    assert last(tmp_path)["global_step"] == 27 + 25  # epoch 1's 25 batches again, from step 27
+
+
+def test_a_resumed_loader_hands_out_its_workers_batches_in_the_uninterrupted_order():
+    """``Position.hand_out`` against the order of a ``DataLoader``'s workers' turns (the oracle: batch ``m`` of
+    worker ``w`` comes before batch ``m`` of ``w + 1`` and after batch ``m - 1`` of every worker; a worker whose
+    stream ended is left out), on random shard sizes, numbers of workers and resume points."""
+    rng = random.Random(0)
+    for trial in range(300):
+        workers = rng.randint(1, 4)
+        sizes = [rng.randint(0, 6) for _ in range(workers)]  # each worker's batches this epoch
+        turns = sorted((m, w) for w in range(workers) for m in range(sizes[w]))  # the uninterrupted order
+        cut = rng.randint(0, len(turns))  # batches trained on before the kill
+        position = Position("s", workers, False, True, lambda: 0)
+        position.restore = {"epoch": 0, "batches": [0] * workers, "samples": [0] * workers,
+                            "fingerprints": [None] * workers, "states": [None] * workers, "next": 0}  # fmt: skip
+        restore = position.start_epoch()
+        for _, w in turns[:cut]:
+            restore["batches"][w] += 1
+            restore["next"] = (w + 1) % workers
+        # the resumed loader's turns start again at worker 0: each worker first drops its batches trained on
+        made = [Made(None if m < restore["batches"][w] else (m, w), w, 1, None, None) for m, w in turns]
+        got = list(position.hand_out(iter(made), restore))
+        assert got == turns[cut:], (trial, sizes, cut)
+        assert position.problem is None
