@@ -294,9 +294,11 @@ class StreamResume(Callback):
     def describe(self) -> list[str]:
         """What a resume of each stream does (or did), for the start line."""
         out = []
-        for p in self.positions:
-            resumed = p.resumed
-            at = f"{sum(resumed['samples'])} samples of epoch {resumed['epoch']}" if resumed is not None else ""
+        for i, p in enumerate(self.positions):
+            resumed, ranks = p.resumed, self.saved or []
+            samples = sum(sum(rank[i]["samples"]) for rank in ranks if i < len(rank))  # what all ranks trained on
+            over = f" over {len(ranks)} ranks" if len(ranks) > 1 else ""
+            at = f"{samples} samples of epoch {resumed['epoch']}{over}" if resumed is not None else ""
             if p.stateful:
                 whose = f"its {p.workers} workers' states" if p.workers else "its state"
                 done = f"resumed at {whose} after the {at} trained on" if resumed else f"a resume loads {whose}"

@@ -97,11 +97,13 @@ def test_a_killed_fit_of_a_stream_resumes_at_its_state_or_fast_forwards_without_
 @pytest.mark.long
 @pytest.mark.parametrize("state", ["false", "true"])
 def test_a_killed_fit_of_a_stream_in_two_loader_workers_resumes_in_the_uninterrupted_order(state, tmp_path):
-    # workers of 49 and 48 samples: 13 and 12 batches, handed out in turn; the resume continues with worker 1
+    # workers of 49 and 48 samples: 13 and 12 batches, handed out in turn; resumed at step 36 (epoch 1, 6 batches
+    # of worker 0 and 5 of worker 1 trained on), the new workers' turns start at worker 0 and the loader continues
+    # with worker 1's
     flags = ["--trainer.max_epochs", "2", "--data.num_workers", "2", "--data.state", state]
-    *seen, line, _ = killed_and_resumed(tmp_path, 30, 27, *flags)
+    *seen, line, _ = killed_and_resumed(tmp_path, 40, 36, *flags)
     assert seen == [0, 0, 0, 0.0], seen
-    assert "the 8 samples of epoch 1 trained on" in line, line
+    assert "the 44 samples of epoch 1 trained on" in line, line
 
 
 @pytest.mark.slow
@@ -110,9 +112,9 @@ def test_a_killed_fit_of_a_stream_in_two_loader_workers_resumes_in_the_uninterru
 def test_a_killed_two_rank_fit_of_a_stream_resumes_each_rank_at_its_own_position(state, tmp_path):
     # 194 samples: 97 a rank, 49 and 48 in its two workers; each rank resumes at its own shard's position
     flags = ["--trainer.max_epochs", "2", "--data.n_train", "194", "--data.num_workers", "2", "--data.state", state]
-    *seen, line, _ = killed_and_resumed(tmp_path, 30, 27, *flags, *DDP2)
+    *seen, line, _ = killed_and_resumed(tmp_path, 40, 36, *flags, *DDP2)
     assert seen == [0, 0, 0, 0.0], seen
-    assert "the 16 samples of epoch 1 trained on" in line, line  # 8 on each rank
+    assert "the 88 samples of epoch 1 over 2 ranks trained on" in line, line  # 44 on each rank
 
 
 def test_a_stream_whose_order_is_not_the_same_after_a_resume_stops_before_the_first_step(tmp_path, capsys):
