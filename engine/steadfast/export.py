@@ -16,10 +16,11 @@ it (strictly), and the module itself, in eval mode, is what is exported. A shard
 
 ``onnx`` and ``pt2`` trace ``forward`` on an example: the module's ``example_input_array`` (Lightning's convention:
 a tuple is positional inputs, a dict keyword inputs, else one input), else two samples of one batch of the run's
-data module (predict loader, else val loader). Of a batch: a dict gives the entries that ``forward``'s parameters
-name, each as that parameter (positional where it can be; else the whole dict is the one input); a tuple or list
-gives its first element (``(x, y)``), or as many as ``forward`` has required positional parameters
-(``forward(inputs, target)``). The line ``export`` says names which.
+data module, or of the module's own loaders when the run has none (predict loader, else val, else train). Of a
+batch: a dict gives the entries that ``forward``'s parameters name, each as that parameter (positional where it
+can be; else the whole dict is the one input); a tuple or list gives its first element (``(x, y)``), or as many
+as ``forward`` has required positional parameters (``forward(inputs, target)``). The line ``export`` says names
+which.
 A module that cannot be exported raises ``ValueError`` naming the format and the reason; outputs are never
 overwritten.
 """
@@ -129,19 +130,23 @@ def example_inputs(module: LightningModule, config: dict[str, Any]) -> tuple[Inp
         if isinstance(given, tuple | list):
             return (tuple(_two_samples(list(given))), {}), "the module's example_input_array, as positional inputs"
         return ((_two_samples(given),), {}), "the module's example_input_array"
-    datamodule = build(_recipe(config.get("data"), "data (and the module no example_input_array)"), LightningDataModule)
+    # the run's data module, else the module's own loaders (BoringModel, Lightning's demo transformer: no data module)
+    data = config.get("data")
+    source = module if data is None else build(_recipe(data, "data"), LightningDataModule)
     batch, loader = None, None
-    for stage, loader in (("predict", "predict_dataloader"), ("validate", "val_dataloader")):
+    loaders = (("predict", "predict_dataloader"), ("validate", "val_dataloader"), ("fit", "train_dataloader"))
+    for stage, loader in loaders:
         try:
-            datamodule.setup(stage)
-            batch = next(iter(getattr(datamodule, loader)()))
+            source.setup(stage)
+            batch = next(iter(getattr(source, loader)()))
             break
-        except Exception:  # a data module without this loader: the next one
+        except Exception:  # no such loader: the next one
             continue
     if batch is None:
+        whose = "the module's own loaders" if data is None else "the run's data module"
         raise ValueError(
-            "no example input: the module has no example_input_array and the run's data module gave no predict or "
-            "val batch; set self.example_input_array in the module"
+            f"no example input: the module has no example_input_array and {whose} gave no predict, val or train "
+            "batch; set self.example_input_array in the module"
         )
     batch = _two_samples(batch)
     if isinstance(batch, Mapping):
@@ -170,8 +175,16 @@ def _reason(error: BaseException) -> str:
         error = error.__cause__
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    # torch.export names the call in the module's code that led there (the branch may be inside torch's own layers)
+    call = re.search(r"The following call raised this error:\s*File \"([^\"]+)\", line (\d+)", text)
+    where = f" at {Path(call[1]).name}:{call[2]}" if call else ""
     if "data-dependent" in line:
-        return f"forward branches on a tensor's value ({line}); use torch.where or torch.cond"
+        return f"forward branches on a tensor's value{where} ({line}); use torch.where or torch.cond"
+    if "specialized it to be a constant" in text:  # torch.export's "Constraints violated (batch)!"
+        return (
+            f"forward fixes the batch size to the example's{where} (len() of a tensor does; x.size(0) or x.shape[0] "
+            "keeps it free)"
+        )
     return f"{type(error).__name__}: {line[:300]}"
 
 

@@ -113,6 +113,13 @@ class BranchyNet(nn.Module):
         return y if y.sum() > 0 else -y
 
 
+class LenNet(BranchyNet):
+    """Reshapes by ``len(x)``: a Python int, so the traced batch size is fixed to the example's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.reshape(len(x), -1))
+
+
 class NamedOutputNet(BranchyNet):
     """Returns a dict with a string in it: no tensor graph to export."""
 
@@ -121,7 +128,8 @@ class NamedOutputNet(BranchyNet):
 
 
 @pytest.mark.parametrize(
-    ("net", "reason"), [("BranchyNet", "branches on a tensor's value"), ("NamedOutputNet", "returns a dict")]
+    ("net", "reason"),
+    [("BranchyNet", "branches on a tensor's value"), ("NamedOutputNet", "returns a dict")],
 )
 @pytest.mark.parametrize("fmt", ["onnx", "pt2"])
 def test_a_net_that_cannot_be_exported_gets_one_line_naming_the_format_and_the_reason(tmp_path, net, reason, fmt):
@@ -132,6 +140,17 @@ def test_a_net_that_cannot_be_exported_gets_one_line_naming_the_format_and_the_r
     assert message.startswith(f"{fmt} export of tests.fixtures.stand_in.StandIn failed") and reason in message, message
     assert "\n" not in message
     assert not (tmp_path / "export" / f"model.{fmt}").exists()
+
+
+def test_a_forward_that_fixes_the_batch_size_gets_one_line_saying_what_keeps_it_free(tmp_path):
+    # pt2 only: the ONNX exporter falls back to other ways of capturing the graph
+    ckpt = make_run(tmp_path, ["--model.net", "tests.test_export.LenNet"])
+    with pytest.raises(ValueError) as error:
+        export(ckpt, tmp_path / "export", ("pt2",))
+    assert str(error.value) == (
+        "pt2 export of tests.fixtures.stand_in.StandIn failed: forward fixes the batch size to the example's "
+        "(len() of a tensor does; x.size(0) or x.shape[0] keeps it free)"
+    )
 
 
 @pytest.mark.slow  # a subprocess: the script's exit code and last line are the point
