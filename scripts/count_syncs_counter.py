@@ -37,9 +37,9 @@ HOST_CODE = (
     ("/torch/optim/", "host: optimizer step counters"),
     ("/torch/utils/data/", "host: sampler"),
     # copies the engine staged into host memory steps before (pinned, non-blocking on a GPU): read without waiting
-    ("/engine/steadfast/guards.py:_read_staged", "host: staged copies"),
-    ("/engine/steadfast/signals.py:sums", "host: staged copies"),  # the ranks' agreement on a stop, read steps later
-    ("/engine/steadfast/compat_logging.py:_staged_bar_values", "host: staged copies"),
+    ("/steadfast/guards.py:_read_staged", "host: staged copies"),
+    ("/steadfast/agreement.py:sums", "host: staged copies"),  # the ranks' agreements (a stop, last.ckpt's timer)
+    ("/steadfast/compat_logging.py:_staged_bar_values", "host: staged copies"),
 )
 SOURCES = (
     # under DDP: Lightning's per-step agreement on a SIGTERM (Lightning issue #21487), a ModelCheckpoint's check of

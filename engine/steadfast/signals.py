@@ -14,13 +14,13 @@ import threading
 from typing import Any
 
 import lightning as L
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from steadfast.agreement import AGREE_EVERY, Agreement
 from steadfast.checkpoint_io import wait_for_writes
 from steadfast.compat import request_stop_at_batch_end, sigterm_without_a_broadcast_per_batch
 
@@ -28,9 +28,7 @@ from steadfast.compat import request_stop_at_batch_end, sigterm_without_a_broadc
 # process killed by it, so launchers (torchrun, SLURM, CI, scripts) see a failure and can restart.
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # 143
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # 130, Ctrl-C
-# Under DDP: training batches between two starts of the ranks' agreement, and between a start and its read. A
-# signal is in the next start (at most AGREE_EVERY - 1 batches later) and read AGREE_EVERY batches after that.
-AGREE_EVERY = 10
+# A signal is in the ranks' next agreement (at most AGREE_EVERY - 1 batches later), read AGREE_EVERY batches after that
 STOP_WITHIN = 2 * AGREE_EVERY  # training batches from the one a signal comes in to the one every rank stops after
 
 
@@ -44,48 +42,6 @@ class CtrlCAgain(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(INTERRUPTED_EXIT_CODE)
-
-
-class Agreement:
-    """Every rank's flags summed over the ranks without waiting: ``start(flags)`` begins an all-reduce that nothing
-    waits for; ``sums()``, called by every rank at the same point some batches later, gives the same sums on every
-    rank. On a GPU the sums are copied into pinned host memory behind the all-reduce, so that reading them waits for
-    that copy only (long done), never for the rest of the device's queue. Like any collective, each rank calls both
-    in the same order relative to its other collectives (gloo and NCCL match them by order)."""
-
-    def __init__(self, device: torch.device, size: int) -> None:
-        self.cuda = device.type == "cuda"
-        self.flags = torch.zeros(size, dtype=torch.int32, device=device)  # (size,) this rank's, then the sums
-        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=self.cuda)  # on a GPU: the flags in, the sums out
-        self.work: Any = None  # the all-reduce under way
-        self.copied: Any = None  # on a GPU: the event after the copy of the sums into self.host
-
-    @property
-    def pending(self) -> bool:
-        return self.work is not None
-
-    def start(self, flags: list[int]) -> None:
-        values = torch.tensor(flags, dtype=torch.int32)
-        if self.cuda:  # the previous sums() waited for everything that used self.host
-            self.host.copy_(values)
-            self.flags.copy_(self.host, non_blocking=True)
-        else:
-            self.flags.copy_(values)
-        self.work = dist.all_reduce(self.flags, async_op=True)
-        if self.cuda:
-            self.work.wait()  # NCCL: the current stream waits for the all-reduce, the host does not
-            self.host.copy_(self.flags, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-
-    def sums(self) -> list[int]:
-        """The sums of the last ``start`` (every rank started it, some batches ago), which is then over."""
-        work, self.work = self.work, None
-        if self.cuda:
-            self.copied.synchronize()
-            return self.host.tolist()
-        work.wait()  # gloo: done long ago unless a rank lags that far
-        return self.flags.tolist()
 
 
 class Preemption(Callback):

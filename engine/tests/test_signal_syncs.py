@@ -29,16 +29,11 @@ aten = torch.ops.aten
 READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.nonzero.default}
 # Reads of host memory on a GPU too: copies the engine staged without waiting steps before (pinned memory there), the
 # samplers' draws, the optimizer's step counters. Every other read, and every collective the host waits for, drains.
-STAGED = (
-    "engine/steadfast/guards.py:_read_staged",
-    "engine/steadfast/signals.py:_sums",
-    "compat_logging.py:_staged_bar",
-)
+STAGED = ("steadfast/guards.py:_read_staged", "steadfast/agreement.py:sums", "compat_logging.py:_staged_bar")
 HOST_SIDE = ("/torch/utils/data/", "/torch/optim/")
-# Not the signals' nor the guard's: Lightning's ModelCheckpoint with a train_time_interval (the engine's timed
-# last.ckpt, steadfast.last_checkpoint) broadcasts rank 0's clock at every batch end, a blocking collective per
-# step of its own (issue 39's count shows it); left out here, by name.
-TIMER = "lightning/pytorch/callbacks/model_checkpoint.py:on_train_batch_end"
+# The engine's parts that agree across the ranks without waiting (steadfast.agreement): the stop on a signal,
+# the timed last.ckpt
+AGREEING = ("steadfast/signals.py", "steadfast/last_checkpoint.py")
 
 
 class CountWaits(L.Callback):
@@ -61,9 +56,7 @@ class CountWaits(L.Callback):
                     probe.counting and pl_module.training and threading.current_thread() is threading.main_thread()
                 )
                 if counted and (func in READS or func.namespace == "c10d"):
-                    kind, where, host_side, timer = _kind_and_where(func)
-                    if not timer:
-                        probe.events.append((probe.step, kind, where, host_side))
+                    probe.events.append((probe.step, *_kind_and_where(func)))
                 return out
 
         self.first, self.mode = trainer.global_step, Mode()
@@ -82,10 +75,10 @@ class CountWaits(L.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps({"steps": steps, "events": self.events}))
 
 
-def _kind_and_where(func: Any) -> tuple[str, str, bool, bool]:
-    """``(kind, where, host_side, timer)``: kind ``read`` / ``blocking`` / ``async``; where: the innermost frame
+def _kind_and_where(func: Any) -> tuple[str, str, bool, str | None]:
+    """``(kind, where, host_side, part)``: kind ``read`` / ``blocking`` / ``async``; where: the innermost frame
     outside torch, ``path:function``; host_side: a frame of the samplers or the optimizers (host tensors on a GPU
-    too); timer: called by ``TIMER``."""
+    too); part: the innermost of ``AGREEING`` on the stack, if any."""
     frames, frame, blocking = [], sys._getframe(2), False
     while frame is not None:
         name = f"{frame.f_code.co_filename.replace(os.sep, '/')}:{frame.f_code.co_name}"
@@ -95,7 +88,8 @@ def _kind_and_where(func: Any) -> tuple[str, str, bool, bool]:
         frame = frame.f_back
     where = next((f for f in frames if "/torch/" not in f), "?")
     kind = "read" if func.namespace != "c10d" else "blocking" if blocking else "async"
-    return kind, where, any(h in f for f in frames for h in HOST_SIDE), any(TIMER in f for f in frames)
+    part = next((a for f in frames for a in AGREEING if a in f), None)
+    return kind, where, any(h in f for f in frames for h in HOST_SIDE), part
 
 
 def waits_by_step(events: list) -> tuple[set[int], dict[str, set[int]]]:
@@ -103,7 +97,7 @@ def waits_by_step(events: list) -> tuple[set[int], dict[str, set[int]]]:
     (``STAGED``) the steps at which it ran."""
     drains: set[int] = set()
     staged: dict[str, set[int]] = {s: set() for s in STAGED}
-    for step, kind, where, host_side in events:
+    for step, kind, where, host_side, _ in events:
         hit = next((s for s in STAGED if where.endswith(s) or s in where), None) if kind == "read" else None
         if hit is not None:
             staged[hit].add(step)
@@ -112,7 +106,7 @@ def waits_by_step(events: list) -> tuple[set[int], dict[str, set[int]]]:
     return drains, staged
 
 
-def test_under_ddp_the_host_waits_once_per_50_steps_with_signals_and_the_nan_guard_on(tmp_path):
+def test_under_ddp_the_host_waits_once_per_50_steps_with_signals_the_timed_last_ckpt_and_the_nan_guard_on(tmp_path):
     # 10 epochs of 10 batches a rank: 100 optimizer steps; Lightning logs (and reads the logged values) at 49 and 99
     args = [*QUIET, *DDP2, "--trainer.max_epochs", "10", "--trainer.limit_train_batches", "10"]
     args += ["--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "50"]
@@ -123,14 +117,16 @@ def test_under_ddp_the_host_waits_once_per_50_steps_with_signals_and_the_nan_gua
         steps, events = counted["steps"], counted["events"]
         assert steps == 100, steps
         drains, staged = waits_by_step(events)
-        per_step = sorted({(kind, where) for step, kind, where, _ in events if step in drains and kind != "async"})
+        per_step = sorted({(kind, where) for step, kind, where, *_ in events if step in drains and kind != "async"})
         assert len(drains) <= math.ceil(steps / 50), f"rank {rank} waited at steps {sorted(drains)}: {per_step}"
         # the NaN guard is on and reads its flag (a host copy) where Lightning's logging waits anyway: one wait
-        guard = staged["engine/steadfast/guards.py:_read_staged"]
+        guard = staged["steadfast/guards.py:_read_staged"]
         assert guard and guard <= drains, f"rank {rank}: the guard read at {sorted(guard)}, the host waited at {drains}"
-        # the signal handling is on: the ranks agree without waiting, every AGREE_EVERY batches
-        agreed = [step for step, kind, where, _ in events if kind == "async" and "engine/steadfast/signals.py" in where]
-        assert len(agreed) >= steps // AGREE_EVERY - 1, f"rank {rank}: {len(agreed)} agreements started"
+        # the signal handling and last.ckpt's timer are on: the ranks agree without waiting, every AGREE_EVERY
+        # batches, each part on its own
+        for part in AGREEING:
+            agreed = [step for step, kind, _, _, by in events if kind == "async" and by == part]
+            assert len(agreed) >= steps // AGREE_EVERY - 1, f"rank {rank}: {len(agreed)} agreements of {part} started"
 
 
 class RankExitCodes(L.Callback):
