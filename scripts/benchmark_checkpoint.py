@@ -3,6 +3,7 @@
     python scripts/benchmark_checkpoint.py                        # stalls at ~1 MB and ~100 MB, then the fit
     python scripts/benchmark_checkpoint.py --gb --repeats 5       # also ~1 GB (needs ~3 GB of free memory)
     python scripts/benchmark_checkpoint.py --no-fit               # stalls only
+    python scripts/benchmark_checkpoint.py --no-stall --checkouts . ../old   # the fit, two checkouts side by side
 
 1. **Stall per save.** A stack of square ``nn.Linear`` layers with its AdamW state (weights + 2 moments: the
    checkpoint is 3x the weights) is saved through the template's checkpoint IO, synchronous (write, fsync, rename
@@ -15,7 +16,9 @@
    is the in-process ``fit`` call (data setup to the end of teardown, which waits for the last writes), not the
    interpreter's start.
 
-Both run on ``--threads`` torch threads (1 by default, as ``scripts/benchmark.py``).
+Both run on ``--threads`` torch threads (1 by default, as ``scripts/benchmark.py``). ``--checkouts A B ...`` runs
+the fits of each checkout (another commit's ``git worktree``) with this script, their pairs interleaved round by
+round, so that the machine's load hits every checkout alike; the figures are printed side by side.
 
 Medians of the per-pair ratios; the machine is shared, so only paired, interleaved numbers are compared. The last
 line is the summary as JSON.
@@ -24,6 +27,7 @@ line is the summary as JSON.
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -86,39 +90,51 @@ def fit_once(args: list[str], out: Path) -> None:
     """Worker: one in-process fit, its duration written to ``out``."""
     from project.__main__ import main as cli_main  # python -m project: its base config
 
-    start = time.perf_counter()
+    start, cpu, faults = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     cli = cli_main(["fit", *args])
-    out.write_text(json.dumps({"fit_s": time.perf_counter() - start, "steps": cli.trainer.global_step}))
+    took = {"fit_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "steps": cli.trainer.global_step}
+    took["page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    out.write_text(json.dumps(took))
 
 
-def fit_pairs(repeats: int, epochs: int, threads: int, folder: Path) -> dict:
+def fit_pairs(repeats: int, epochs: int, threads: int, folder: Path, checkouts: list[Path]) -> dict:
+    """Per checkout: ``repeats`` pairs (default checkpoints, checkpointing off), each side a fresh process; round
+    ``r`` runs every checkout's pair, the order of the sides and of the checkouts reversed every other round."""
     sides = {"default": [], "off": ["--trainer.enable_checkpointing", "false"]}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}  # fmt: skip
-    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    runs: dict[Path, dict[str, list[dict]]] = {c: {side: [] for side in sides} for c in checkouts}
     for r in range(repeats):
-        for side in sides if r % 2 == 0 else list(sides)[::-1]:
-            work = folder / f"{r}-{side}"
+        order = [(c, side) for c in checkouts for side in (sides if r % 2 == 0 else list(sides)[::-1])]
+        for checkout, side in order if r % 2 == 0 else order[::-1]:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")]),
+                   "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}  # fmt: skip
+            work = folder / f"{r}-{checkouts.index(checkout)}-{side}"
             work.mkdir()
             args = [*FIT_ARGS, "--trainer.max_epochs", str(epochs), "--run.root", str(work / "runs"), *sides[side]]
             cmd = [sys.executable, __file__, "--fit-worker", str(work / "result.json"), "--", *args]
             proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
-                raise SystemExit(f"the {side} fit exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-            runs[side].append(json.loads((work / "result.json").read_text()))
+                raise SystemExit(f"the {side} fit of {checkout} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+            runs[checkout][side].append(json.loads((work / "result.json").read_text()))
             files = list(work.rglob("*.ckpt"))
             on_disk = sum({p.stat().st_ino: p.stat().st_size for p in files}.values()) / 1e6  # links once
-            took = runs[side][-1]["fit_s"]
-            print(f"fit {r + 1}/{repeats} {side}: {took:.2f} s, {len(files)} files kept, {on_disk:.0f} MB on disk",
-                  file=sys.stderr)  # fmt: skip
-    ratios = [d["fit_s"] / o["fit_s"] for d, o in zip(runs["default"], runs["off"], strict=True)]
-    return {
-        "default_s": statistics.median(r["fit_s"] for r in runs["default"]),
-        "off_s": statistics.median(r["fit_s"] for r in runs["off"]),
-        "steps": runs["default"][0]["steps"],
-        "ratio": statistics.median(ratios),
-        "ratios": [round(x, 4) for x in ratios],
-    }
+            took = runs[checkout][side][-1]
+            print(f"fit {r + 1}/{repeats} {checkout.name} {side}: {took['fit_s']:.2f} s (CPU {took['cpu_s']:.2f} s, "
+                  f"{took['page_faults']} page faults), {len(files)} files kept, "
+                  f"{on_disk:.0f} MB on disk, load {os.getloadavg()[0]:.2f}", file=sys.stderr)  # fmt: skip
+    out = {}
+    for checkout, sided in runs.items():
+        ratios = [d["fit_s"] / o["fit_s"] for d, o in zip(sided["default"], sided["off"], strict=True)]
+        out[str(checkout)] = {
+            "default_s": statistics.median(r["fit_s"] for r in sided["default"]),
+            "off_s": statistics.median(r["fit_s"] for r in sided["off"]),
+            "cpu_overhead_s": statistics.median(
+                d["cpu_s"] - o["cpu_s"] for d, o in zip(sided["default"], sided["off"], strict=True)
+            ),
+            "steps": sided["default"][0]["steps"],
+            "ratio": statistics.median(ratios),
+            "ratios": [round(x, 4) for x in ratios],
+        }
+    return out
 
 
 def main() -> int:
@@ -126,6 +142,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5, help="pairs per measurement (default: 5)")
     parser.add_argument("--gb", action="store_true", help="also the ~1 GB checkpoint (~3 GB of memory)")
     parser.add_argument("--no-fit", action="store_true", help="stalls only, no fit")
+    parser.add_argument("--no-stall", action="store_true", help="the fit only, no stalls")
+    parser.add_argument("--checkouts", type=Path, nargs="+", default=[REPO], help="the fits of each (default: this)")
     parser.add_argument("--fit-repeats", type=int, default=3, help="paired fits (default: 3)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs of each fit (default: 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, stalls and fits (default: 1)")
@@ -144,18 +162,22 @@ def main() -> int:
     args.dir = args.dir.resolve()  # the fits run in folders of their own
     args.dir.mkdir(parents=True, exist_ok=True)  # the disk runs go to (a tmpfs /tmp would make fsync free)
     with tempfile.TemporaryDirectory(prefix="benchmark-checkpoint-", dir=args.dir) as tmp:
-        sizes = [s for s in SIZES_MB if args.gb or s != "1 GB"]
-        print(f"{'checkpoint':>10} {'MB':>7} {'sync stall s':>13} {'async stall s':>14} {'async/sync':>11}")
+        sizes = [s for s in SIZES_MB if (args.gb or s != "1 GB") and not args.no_stall]
+        if sizes:
+            print(f"{'checkpoint':>10} {'MB':>7} {'sync stall s':>13} {'async stall s':>14} {'async/sync':>11}")
         for label in sizes:
             row = summary["stall"][label] = stall_pairs(SIZES_MB[label], args.repeats, Path(tmp))
             print(f"{label:>10} {row['bytes'] / 1e6:7.1f} {row['sync_s']:13.4f} {row['async_s']:14.4f} "
                   f"{row['ratio']:11.3f}  (write after: {row['async_write_after_s']:.3f} s)")  # fmt: skip
         if not args.no_fit:
-            fit = summary["fit"] = fit_pairs(args.fit_repeats, args.epochs, args.threads, Path(tmp))
-            print(
-                f"fit, MLP 4096 x3, {fit['steps']} steps: default checkpoints {fit['default_s']:.2f} s, "
-                f"checkpointing off {fit['off_s']:.2f} s, ratio {fit['ratio']:.3f} (pairs {fit['ratios']})"
-            )
+            checkouts = [c.resolve() for c in args.checkouts]
+            summary["fit"] = fit_pairs(args.fit_repeats, args.epochs, args.threads, Path(tmp), checkouts)
+            for checkout, fit in summary["fit"].items():
+                print(
+                    f"fit of {checkout}, MLP 4096 x3, {fit['steps']} steps: default checkpoints "
+                    f"{fit['default_s']:.2f} s, checkpointing off {fit['off_s']:.2f} s, ratio {fit['ratio']:.3f} "
+                    f"(pairs {fit['ratios']}); CPU time of the checkpoints {fit['cpu_overhead_s']:.2f} s"
+                )
     print(json.dumps(summary))
     return 0
 
