@@ -3,6 +3,7 @@
     python scripts/count_syncs.py                     # 4 epochs of the default config, on CPU: 1 process, 2 ranks
     python scripts/count_syncs.py --epochs 10 --json out.json [--template-arg=--trainer.log_every_n_steps=1]
     python scripts/count_syncs.py --ranks 2           # DDP only: 2 gloo ranks on CPU, each counted
+    python scripts/count_syncs.py --ddp-accelerator gpu   # the 2 ranks of (b) and (c) on 2 GPUs (NCCL)
 
 On a GPU every read of a device value on the host (``.item()``, ``bool(t)``, ``float(t)``, a blocking copy to the
 host, an op whose output shape depends on the data) makes the CPU wait for the GPU to finish all it was given.
@@ -30,7 +31,9 @@ Each side runs in a fresh interpreter (``--worker``), as in scripts/benchmark.py
 plain Lightning (scripts/benchmark_lightning.py), (c) ``python -m project fit`` with the default config. With
 ``--ranks 2`` each side runs as 2 gloo ranks on CPU started by ``torchrun``, and each rank is counted: (a) with its
 net in ``DistributedDataParallel`` and its sampler split over the ranks, (b) with ``strategy="ddp"`` on the same
-split, (c) with ``--trainer.strategy ddp --trainer.devices 2``. The last line of the output is the table as JSON.
+split, (c) with ``--trainer.strategy ddp --trainer.devices 2``. ``--ddp-accelerator gpu`` puts the ranks of (b) and
+(c) on a GPU each (NCCL; (a), the hand loop, runs on the CPU only): NCCL refuses two ranks on one GPU, so with one GPU
+the 2-rank count is the CPU's. The last line of the output is the table as JSON.
 """
 
 import argparse
@@ -48,7 +51,7 @@ import torch
 from count_syncs_counter import HOST_ONLY, REPO, SyncCounter, rank_file, write_counts  # scripts/count_syncs_counter.py
 
 SIDES = ("hand", "lightning", "template")
-DDP_TEMPLATE = ["--trainer.accelerator", "cpu", "--trainer.strategy", "ddp"]
+DDP_TEMPLATE = ["--trainer.strategy", "ddp"]
 
 
 def split_over_ranks(world: int, rank: int) -> Any:
@@ -62,7 +65,7 @@ def split_over_ranks(world: int, rank: int) -> Any:
     return unittest.mock.patch.object(data, "DistributedSampler", Split)
 
 
-def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str]) -> None:
+def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str], ddp_accelerator: str = "cpu") -> None:
     sys.path.insert(0, str(REPO / "scripts"))
     if spec.get("fused"):  # every side's AdamW fused, as `torch.optim.AdamW(..., fused=True)` in its code would be
         adamw = torch.optim.AdamW
@@ -122,7 +125,7 @@ def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str])
         import count_syncs_callback
 
         trainer_class = benchmark_lightning.L.Trainer
-        ddp = {"devices": world, "strategy": "ddp", "accelerator": "cpu", "use_distributed_sampler": False}
+        ddp = {"devices": world, "strategy": "ddp", "accelerator": ddp_accelerator, "use_distributed_sampler": False}
 
         def with_counter(*args: Any, callbacks: list, **kwargs: Any) -> Any:
             kwargs |= ddp if world > 1 else {}
@@ -134,11 +137,15 @@ def worker(side: str, out: Path, spec: dict[str, Any], template_args: list[str])
     from project.__main__ import main as cli_main  # python -m project: its base config
 
     args = ["fit", "--trainer.max_epochs", str(spec["epochs"]), "--run.root", str(out.parent / "runs")]
-    args += [*DDP_TEMPLATE, "--trainer.devices", str(world)] if world > 1 else []
+    args += (
+        [*DDP_TEMPLATE, "--trainer.accelerator", ddp_accelerator, "--trainer.devices", str(world)] if world > 1 else []
+    )
     cli_main([*args, *template_args, f"--trainer.callbacks+={json.dumps(counter)}"])
 
 
-def run_side(side: str, spec: dict[str, Any], workdir: Path, template_args: list[str], ranks: int) -> dict[str, Any]:
+def run_side(
+    side: str, spec: dict[str, Any], workdir: Path, template_args: list[str], ranks: int, ddp_accelerator: str = "cpu"
+) -> dict[str, Any]:
     """One side's counts: ``{"rank0": ..., "rank1": ...}`` with ``ranks`` 2, else the one process's."""
     workdir.mkdir(parents=True)
     for rank in range(ranks if ranks > 1 else 0):
@@ -147,7 +154,7 @@ def run_side(side: str, spec: dict[str, Any], workdir: Path, template_args: list
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, str(out), json.dumps(spec)]
     if ranks > 1:  # torchrun starts the ranks; each is a worker, told its rank by the environment
         cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    cmd += [f"--template-arg={a}" for a in template_args]
+    cmd += [f"--template-arg={a}" for a in template_args] + ["--ddp-accelerator", ddp_accelerator]
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO), str(REPO / "scripts")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore"}
     with open(workdir / "output.log", "w") as log:
@@ -245,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         "--ranks", default="1,2", help="1 (one process), 2 (2 gloo ranks on CPU, each counted) or both (default)"
     )
     parser.add_argument(
+        "--ddp-accelerator",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="where the 2 ranks of plain Lightning and the template run: cpu (gloo, the default) or gpu (NCCL, a GPU "
+        "each: needs 2)",
+    )
+    parser.add_argument(
         "--fused",
         action="store_true",
         help="every side's AdamW fused (skips a step on the device: the NaN guard's "
@@ -263,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         side, out, spec = args.worker
-        worker(side, Path(out), json.loads(spec), args.template_arg)
+        worker(side, Path(out), json.loads(spec), args.template_arg, args.ddp_accelerator)
         return 0
     sys.path.insert(0, str(REPO / "scripts"))
     import benchmark
@@ -275,11 +289,13 @@ def main(argv: list[str] | None = None) -> int:
         for ranks in map(int, args.ranks.split(",")):
             results = {}
             for side in args.sides.split(","):
-                counted = run_side(side, spec, Path(tmp) / f"{ranks}" / side, args.template_arg, ranks)
+                work = Path(tmp) / f"{ranks}" / side
+                counted = run_side(side, spec, work, args.template_arg, ranks, args.ddp_accelerator)
                 results |= {f"{side} r{k[4:]}": v for k, v in counted.items()} if ranks > 1 else {side: counted}
             shapes[str(ranks)] = table(results)
     for ranks, rows in shapes.items():
-        print_table(rows, spec, "1 process" if ranks == "1" else f"{ranks} DDP ranks (gloo), each")
+        on = "gloo, CPU" if args.ddp_accelerator == "cpu" else "NCCL, a GPU each; the hand loop: gloo, CPU"
+        print_table(rows, spec, "1 process" if ranks == "1" else f"{ranks} DDP ranks ({on}), each")
         if args.where:
             for column, row in rows.items():
                 print(f"\n{label(column)}: per optimizer step, by the line that read the value or waited")
@@ -287,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {n:8.3f}  {where}")
     # "sides": one process, as before; "ranks": each shape run, {"1": {side: row}, "2": {"side rR": row}}
     summary = {"spec": spec, "template_args": args.template_arg, "sides": shapes.get("1", {}), "ranks": shapes}
+    summary["ddp_accelerator"] = args.ddp_accelerator
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))

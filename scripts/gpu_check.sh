@@ -11,8 +11,11 @@
 #    an error under gpu.yaml, gpu.yaml + ddp.yaml and gpu.yaml + fsdp.yaml
 # 4. host-device syncs per optimizer step of (a) the hand loop, (b) plain Lightning, (c) the template
 #    (scripts/count_syncs.py: the ops that read a device value, and CUDA's own count with
-#    torch.cuda.set_sync_debug_mode("warn") beside it), and their step time and samples/s (scripts/benchmark.py, on the CPU: the hand loop
-#    runs there only); both in the background from the start, the benchmark pinned to the last CPU
+#    torch.cuda.set_sync_debug_mode("warn") beside it), in 1 process and on 2 DDP ranks, each rank counted (with 2
+#    GPUs or more: a GPU each, NCCL; with one GPU, which NCCL will not share between ranks, and with --cpu: 2 CPU
+#    processes, gloo; the hand loop's ranks always on the CPU), and their step time and samples/s
+#    (scripts/benchmark.py, on the CPU: the hand loop runs there only); both in the background from the start, the
+#    benchmark pinned to the last CPU
 # 5. a transformer (tests.gpu_nets.TinyTransformer, ~100M parameters) under gpu.yaml, torch.compile on and off:
 #    step time and model FLOPs utilisation (6 x parameters x tokens per step over the step time and the H200's
 #    ~989 TFLOPS dense bf16; PEAK_FLOPS overrides)
@@ -53,6 +56,7 @@ if ((CPU)); then
   BIG=(--model.net.init_args.hidden_sizes "[1024,1024,1024]")
   STEPS=6
   SYNC_EPOCHS=1 BENCH=(--epochs 1 --repeats 1)
+  SYNC_DDP=cpu
   TRANSFORMER=(--model.net.init_args.width 64 --model.net.init_args.depth 2 --model.net.init_args.heads 4)
   T_BATCH=64 T_EPOCHS=2
 else
@@ -63,6 +67,7 @@ else
   BIG=(--model.net.init_args.hidden_sizes "[8192,8192,8192,8192]")
   STEPS=40
   SYNC_EPOCHS=2 BENCH=(--epochs 4 --repeats 3 --cpus "$(($(nproc) - 1))")
+  SYNC_DDP=$( ((NGPU >= 2)) && echo gpu || echo cpu)  # NCCL needs a GPU per rank
   TRANSFORMER=(--model.net.init_args.width 1024 --model.net.init_args.depth 8 --model.net.init_args.heads 16)
   T_BATCH=256 T_EPOCHS=10  # 4 full batches an epoch (no partial one to recompile for): 40 steps
 fi
@@ -101,7 +106,8 @@ figures() {
     echo "SKIP  count_syncs, benchmark (the template's scripts, not in a copy)" >>"$OUT/steps.txt"
     return
   fi
-  step count_syncs 150 "$PY" "$REPO/scripts/count_syncs.py" --epochs "$SYNC_EPOCHS" --json "$OUT/syncs.json"
+  step count_syncs 360 "$PY" "$REPO/scripts/count_syncs.py" --epochs "$SYNC_EPOCHS" --ranks 1,2 \
+    --ddp-accelerator "$SYNC_DDP" --json "$OUT/syncs.json"
   step benchmark 300 env CUDA_VISIBLE_DEVICES= "$PY" "$REPO/scripts/benchmark.py" "${BENCH[@]}"
 }
 if ((CPU)); then figures; else figures & FIGURES=$!; fi

@@ -49,6 +49,20 @@ def build(out: Path, cpu: bool, tokens: int, peak_flops: float) -> list[str]:
     for side, label in SIDES:
         r = (syncs or {}).get("sides", {}).get(side)
         row(f"syncs / optimizer step, {label}", fmt(r["syncs_per_step"]) if r else "n/a (see count_syncs.log)")
+    for side, label in SIDES:
+        r = (syncs or {}).get("sides", {}).get(side)
+        row(f"steps with a wait / optimizer step, {label}", fmt(r["waits_per_step"]) if r else "n/a")
+    ranks = (syncs or {}).get("ranks", {}).get("2")
+    on = "GPUs, NCCL" if (syncs or {}).get("ddp_accelerator") == "gpu" else "CPU, gloo"
+    for side, label in SIDES:  # each rank of a 2-rank DDP run; the hand loop's on the CPU
+        pair = [(ranks or {}).get(f"{side} r{rank}") for rank in (0, 1)]
+        name = f"2 DDP ranks ({'CPU, gloo' if side == 'hand' else on}), rank 0 / rank 1, {label}"
+        if not all(pair):
+            row(f"syncs / optimizer step, {name}", "n/a (see count_syncs.log)")
+            continue
+        row(f"syncs / optimizer step, {name}", " / ".join(fmt(r["syncs_per_step"]) for r in pair))
+        row(f"blocking collectives / step, {name}", " / ".join(fmt(sum(r["collectives"].values())) for r in pair))
+        row(f"steps with a wait / step, {name}", " / ".join(fmt(r["waits_per_step"]) for r in pair))
     for side, label in SIDES:  # CUDA's own count, torch.cuda.set_sync_debug_mode("warn"): none on the CPU
         r = (syncs or {}).get("sides", {}).get(side) or {}
         cuda = r.get("cuda_syncs_per_step")
