@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from jsonargparse import lazy_instance
 from lightning.pytorch.utilities import rank_zero_only
-from steadfast import LinearWarmupCosineAnnealingLR
 from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from project.nets import MLP
+from steadfast import LinearWarmupCosineAnnealingLR
 
 # The default net as the config shows it (`--print_config`); a Classifier built in Python gets an MLP of its own.
 DEFAULT_NET = lazy_instance(MLP)

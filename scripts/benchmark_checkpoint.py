@@ -43,6 +43,7 @@ FIT_ARGS = ["--model.net.init_args.hidden_sizes", "[4096, 4096, 4096]", "--train
 
 def stall_pairs(megabytes: float, repeats: int, folder: Path) -> dict:
     import torch
+
     from steadfast.checkpoint_io import AtomicCheckpointIO
 
     width = int((megabytes * 1e6 / (4 * 3 * 4)) ** 0.5)  # 4 layers of width^2 float32 weights, 3 copies each

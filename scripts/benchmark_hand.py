@@ -69,11 +69,11 @@ def digits_loaders(spec: dict[str, Any]) -> tuple[Any, Any]:
 def hand_written(spec: dict[str, Any], out: Path) -> None:
     import torch
     import torch.nn.functional as F
-    from steadfast.schedule import LinearWarmupCosineAnnealingLR
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
     from project.nets import MLP
+    from steadfast.schedule import LinearWarmupCosineAnnealingLR
 
     torch.manual_seed(spec["seed"])
     torch.use_deterministic_algorithms(spec["deterministic"])

@@ -21,10 +21,10 @@ from benchmark_hand import digits_loaders  # scripts/benchmark_hand.py, on the p
 from benchmark_timer import BenchmarkTimer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
-from steadfast.schedule import LinearWarmupCosineAnnealingLR
 from torch import nn
 
 from project.nets import MLP
+from steadfast.schedule import LinearWarmupCosineAnnealingLR
 
 
 class PlainClassifier(L.LightningModule):

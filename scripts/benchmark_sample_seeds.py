@@ -8,8 +8,9 @@ import statistics
 import time
 
 import torch
-from steadfast.sample_seeds import seed_per_sample
 from torch.utils.data import TensorDataset
+
+from steadfast.sample_seeds import seed_per_sample
 
 SAMPLES = 20_000
 

@@ -35,14 +35,14 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from steadfast.compat_logging import skip_moves_already_done
-from steadfast.guards import gradients_finite
-from steadfast.host_memory import keep_freed_host_memory
-from steadfast.profiler import NoProfiler
 from torch.utils.data import DataLoader, TensorDataset
 
 from project.module import Classifier
 from project.nets import MLP
+from steadfast.compat_logging import skip_moves_already_done
+from steadfast.guards import gradients_finite
+from steadfast.host_memory import keep_freed_host_memory
+from steadfast.profiler import NoProfiler
 
 
 def batches(steps: int, batch_size: int) -> DataLoader:

@@ -13,6 +13,7 @@ together). Load them:
 import argparse
 
 import torch
+
 from steadfast.export import FORMATS, export
 
 if __name__ == "__main__":

@@ -2,9 +2,8 @@
 
 from pathlib import Path
 
-from steadfast.testing import DDP2, QUIET, run_cli, run_dirs, scalars
-
 import project
+from steadfast.testing import DDP2, QUIET, run_cli, run_dirs, scalars
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAM = project.__name__  # python -m <this package>

@@ -3,8 +3,8 @@ SIGTERM, as a preempted job is, and resumed with ``fit --ckpt_path last``, the r
 run uninterrupted. Edit the flags to your config's cheapest run that still crosses an epoch."""
 
 import pytest
-from steadfast.selfcheck import resume_delta
 
+from steadfast.selfcheck import resume_delta
 from tests.helpers import PROGRAM, REPO
 
 pytestmark = pytest.mark.slow  # three real fits: uninterrupted, stopped, resumed

@@ -3,11 +3,11 @@
 import lightning as L
 import pytest
 import torch
-from steadfast.schedule import FitScheduleToRun
 
 from project.data import DigitsDataModule
 from project.module import Classifier
 from project.nets import CNN, MLP
+from steadfast.schedule import FitScheduleToRun
 
 
 @pytest.mark.parametrize("net", [MLP(), CNN()])

@@ -46,6 +46,12 @@ from steadfast.user_loaders import UserLoaders
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
+DEFAULT_LOGGER = {
+    "class_path": "steadfast.ThrottledTensorBoardLogger",
+    "init_args": {"save_dir": "runs", "default_hp_metric": False},
+}
+
+
 class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
     run_plan: RunPlan | None = None
     run_folder: RunFolder | None = None
@@ -73,6 +79,10 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         parser.add_class_arguments(Runs, "run")
         parser.add_class_arguments(CheckpointPolicy, "checkpoints")
         parser.add_class_arguments(Speed, "speed")
+        # Lightning's default logger, TensorBoard, as a parsed default rather than a None the Trainer fills in: a
+        # user's --trainer.logger+=CSVLogger then adds to it, as Lightning's docs read, instead of replacing it.
+        # runs.point_loggers_at points it at the run folder; `false` or a list of the user's own replaces it.
+        parser.set_defaults({"trainer.logger": DEFAULT_LOGGER})
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         check_yaml_files(parser, sys.argv[1:] if args is None else args)

@@ -14,11 +14,14 @@ pytree, gloo); tests/test_compat.py fails, naming the attribute, on a torch vers
   (``load_bytes_weights_only``, ``index_for_reader``, ``steadfast.sharded``).
 - gloo's messages for a lost peer (``PEER_GONE``, ``steadfast.rank_failures``).
 - ``torch.utils._pytree``'s ``tree_map`` and ``tree_leaves`` (``steadfast.export``).
+- ``DataLoader._iterator``, the persistent workers' iterator a loader keeps (``unstarted_copy``,
+  ``steadfast.stream_resume``).
 
 On a layout these functions do not know they raise ``LightningChanged`` (``steadfast.compat``).
 """
 
 import contextlib
+import copy
 import functools
 import threading
 from collections.abc import Iterator
@@ -130,3 +133,13 @@ def tree_leaves(tree: Any) -> list[Any]:
     from torch.utils._pytree import tree_leaves as torch_tree_leaves
 
     return torch_tree_leaves(tree)
+
+
+def unstarted_copy(loader: Any) -> Any:
+    """A shallow copy of ``loader`` that starts its own iterator: ``DataLoader`` keeps its persistent workers'
+    iterator in ``_iterator``, which a copy would share with the user's loader."""
+    if not hasattr(loader, "_iterator"):
+        raise LightningChanged("torch.utils.data.DataLoader._iterator (persistent workers' iterator) is gone")
+    rebuilt = copy.copy(loader)
+    rebuilt._iterator = None
+    return rebuilt

@@ -91,6 +91,10 @@ def verdict(trainer: L.Trainer, saved: list[Any] | None, resumed_from_lightning:
         return "unverified", f"not verified: {len(loaders)} train loader(s), the checkpoint's run had {len(saved)}"
     said = []
     for i, (loader, then) in enumerate(zip(loaders, saved, strict=True)):
+        checked = _fast_forward_checked(loader)
+        if checked is not None:
+            said.append(checked)
+            continue
         mine = loader.first_batch if isinstance(loader, ResumableDataLoader) else None
         if isinstance(then, str) or mine is None:
             why = then if isinstance(then, str) else _why_unverifiable(loader, i) or f"train loader {i} was not resumed"
@@ -169,6 +173,22 @@ def _other_values(a: dict, b: dict, world_then: int, world_now: int, which: str)
 def _train_loaders(trainer: L.Trainer) -> list[Any]:
     loaders = trainer.train_dataloader
     return CombinedLoader(loaders).flattened if loaders is not None else []
+
+
+def _fast_forward_checked(loader: Any) -> str | None:
+    """What verified a stream the engine fast-forwarded (``steadfast.stream_resume``): the last batch it read again
+    had the checkpoint's fingerprint (one that differs stops the run before the first step); ``None``: not such a
+    stream, or no fast-forward this time."""
+    position = getattr(loader, "position", None)
+    from steadfast.stream_resume import StreamLoader
+
+    if not isinstance(loader, StreamLoader) or position.stateful or position.resumed is None:
+        return None
+    if position.problem is not None:
+        return None
+    samples = sum(position.resumed["samples"])
+    return (f"resume verified ({position.name}: read again past the {samples} samples trained on, the stream gave "
+            "the batch the checkpoint recorded last)")  # fmt: skip
 
 
 def _why_unverifiable(loader: Any, i: int) -> str | None:

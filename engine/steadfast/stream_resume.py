@@ -36,7 +36,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, get_worker_info
 
-from steadfast.compat_torch import tree_leaves
+from steadfast.compat_torch import tree_leaves, unstarted_copy
 
 MODES = ("fast_forward", "restart")
 
@@ -275,8 +275,7 @@ class StreamResume(Callback):
             mine = self.saved[trainer.global_rank]
             position.restore = mine[index] if index < len(mine) else None
         self.positions.append(position)
-        rebuilt = copy.copy(loader)  # the user's loader is left as it is
-        rebuilt._iterator = None
+        rebuilt = unstarted_copy(loader)  # the user's loader is left as it is
         rebuilt.__class__ = _stream_class(type(loader))
         here = dataset if loader.num_workers == 0 else None
         rebuilt.collate_fn = Tagging(loader.collate_fn, stateful, loader.batch_sampler is not None, here)

@@ -9,6 +9,7 @@ from typing import Any, BinaryIO
 
 import lightning as L
 import torch
+
 from steadfast.checkpoint_io import AtomicCheckpointIO, wait_for_writes
 from steadfast.sharded import ShardedStrategy
 

@@ -310,6 +310,7 @@ def test_a_sharded_checkpoints_index_carrying_code_is_refused_unrun(tmp_path):
     import pickle
 
     import torch.distributed.checkpoint as dcp
+
     from steadfast.checkpoint_files import CheckpointLoadError
     from steadfast.sharded import full_state_dict
 

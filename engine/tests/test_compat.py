@@ -13,6 +13,7 @@ from lightning.fabric.loggers.csv_logs import _ExperimentWriter
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
 from steadfast.compat import (
     cli_section,
     loader_with_sampler,
@@ -24,7 +25,6 @@ from steadfast.compat import (
 )
 from steadfast.compat_logging import set_csv_columns
 from steadfast.compat_torch import set_nested
-
 from tests.fixtures.stand_in import BlobsDataModule, StandIn
 from tests.helpers import STAND_IN
 
@@ -165,6 +165,7 @@ def test_result_metric_to_is_called_at_every_log_and_skipped_once_its_values_are
     import inspect
 
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
+
     from steadfast.compat_logging import skip_moves_already_done
 
     assert "self[key].to(value.device)" in inspect.getsource(_ResultCollection.log), (
@@ -228,6 +229,7 @@ def test_a_fit_logs_the_same_values_with_and_without_skipped_moves(tmp_path, mon
     train and validation, is the same."""
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
     from steadfast.compat_logging import skip_moves_already_done
 
     undo = skip_moves_already_done()
@@ -252,8 +254,8 @@ def test_a_fit_logs_the_same_values_with_and_without_skipped_moves(tmp_path, mon
 
 def test_the_default_profiler_profiles_nothing_at_no_cost_and_a_chosen_one_still_profiles():
     from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
-    from steadfast.profiler import NoProfiler
 
+    from steadfast.profiler import NoProfiler
     from tests.helpers import cli_main
 
     profiler = NoProfiler()
@@ -268,6 +270,7 @@ def test_skip_moves_names_lightning_issue_and_installs_nothing_where_lightning_n
     """Lightning issue #20388 (fix proposed in PR #21769): on a Lightning whose ``self.log`` no longer moves its result
     at every call (the probe says so), nothing is replaced."""
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
     from steadfast import compat_logging
 
     doc = compat_logging.skip_moves_already_done.__doc__
@@ -341,6 +344,7 @@ def test_model_checkpoint_file_exists_is_replaced_on_the_instance_and_restored(t
 
 def test_logger_log_metrics_replaced_and_tensorboard_experiment_read(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
+
     from steadfast.compat_logging import experiment_opened, replace_log_metrics
 
     logger = TensorBoardLogger(tmp_path)
@@ -360,6 +364,19 @@ def test_lr_scheduler_last_lr_is_what_get_last_lr_returns():
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), lambda _: 1)
     set_last_lr(scheduler, [0.25])
     assert scheduler.get_last_lr() == [0.25]
+
+
+def test_a_loaders_unstarted_copy_starts_its_own_persistent_workers():
+    """``DataLoader._iterator`` holds the persistent workers' iterator; the stream's copy must not share it."""
+    from steadfast.compat_torch import unstarted_copy
+
+    loader = torch.utils.data.DataLoader(list(range(6)), batch_size=2, num_workers=1, persistent_workers=True)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
+    assert loader._iterator is not None  # the name the copy clears is where the workers live
+    rebuilt = unstarted_copy(loader)
+    assert rebuilt._iterator is None and loader._iterator is not None
+    assert [b.tolist() for b in rebuilt] == [[0, 1], [2, 3], [4, 5]]
+    assert rebuilt._iterator is not loader._iterator
 
 
 def test_tensor_version_counts_in_place_writes():
@@ -403,10 +420,11 @@ def test_torch_crc32_setting_is_per_thread_so_other_threads_keep_their_checksums
 
 
 def test_dcp_load_planner_internals_and_reader_load_id():
-    from steadfast.compat_torch import index_for_reader
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import Metadata
+
+    from steadfast.compat_torch import index_for_reader
 
     planner = DefaultLoadPlanner()
     planner.set_up_planner({"a": {"b": 1}}, Metadata(state_dict_metadata={}), is_coordinator=True)
@@ -418,6 +436,7 @@ def test_dcp_load_planner_internals_and_reader_load_id():
 
 def test_ddp_launcher_procs_and_gloo_peer_messages():
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
     from steadfast.compat_torch import PEER_GONE
     from steadfast.rank_failures import is_peer_gone
 
@@ -436,6 +455,7 @@ def test_ddp_launchers_child_process_observer_waits_for_the_report_before_it_kil
     from types import SimpleNamespace
 
     from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
     from steadfast.compat import child_observer_waits
 
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -461,7 +481,6 @@ def test_ddp_launchers_child_process_observer_waits_for_the_report_before_it_kil
 
 def test_lightning_cli_hparam_keys_are_the_ones_the_summary_leaves_out():
     from steadfast.compat import CLI_HPARAM_KEYS
-
     from tests.helpers import cli_main
 
     cli = cli_main(STAND_IN, run=False)
@@ -575,6 +594,7 @@ def test_model_parallel_setup_checks_configure_model_on_the_instance_and_the_shi
 
     from lightning.pytorch.strategies import ModelParallelStrategy
     from lightning.pytorch.utilities.model_helpers import is_overridden
+
     from steadfast.compat import configure_model_counted_as_overridden
 
     assert 'is_overridden("configure_model", self.lightning_module)' in inspect.getsource(ModelParallelStrategy.setup)
@@ -589,6 +609,7 @@ def test_fit_loop_epoch_loop_batch_progress_counts_micro_batches_rescaled_for_an
     from types import SimpleNamespace
 
     from lightning.pytorch.loops.progress import _BatchProgress
+
     from steadfast.compat import LightningChanged, rescale_batch_progress
 
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
@@ -616,6 +637,7 @@ def test_bar_values_are_converted_at_every_batch_end_and_read_from_staged_copies
     import inspect
 
     from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
+
     from steadfast.compat_logging import _staged_bar_values, read_bar_values_without_waiting
 
     assert "convert_tensors_to_scalars(value)" in inspect.getsource(result._ResultCollection.metrics), (
@@ -663,7 +685,6 @@ def test_fit_loop_epoch_loop_batches_that_stepped_is_the_loggers_step_one_per_ba
     from types import SimpleNamespace
 
     from steadfast.compat import LightningChanged, logging_step
-
     from tests.fixtures.kinds import KindData, TwoOptimizers
 
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3, limit_val_batches=0,
@@ -683,6 +704,7 @@ def test_lightning_cli_parse_ckpt_path_is_what_reads_a_checkpoints_hyperparamete
     import inspect
 
     from lightning.pytorch.cli import LightningCLI
+
     from steadfast.cli import CLI
     from steadfast.compat import ParsesPlainLightningCheckpoints
 
@@ -706,6 +728,7 @@ def test_training_epoch_loop_broadcast_sigterm_tensor_and_signal_connector_sigte
 
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
     from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
     from steadfast.compat import LightningChanged, sigterm_without_a_broadcast_per_batch
 
     assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance), (
@@ -787,6 +810,7 @@ def test_result_metric_compute_divides_by_a_synced_integer_count_and_the_patch_m
     mean of integers over ranks truncates: what ``weigh_synced_means_by_samples`` casts. Two ranks of 11 and 10
     samples stand in for a DDP run. A Lightning that no longer truncates fails here, and the patch can go."""
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
     from steadfast import compat_logging
     from steadfast.compat_logging import lightning_truncates_synced_counts, weigh_synced_means_by_samples
 

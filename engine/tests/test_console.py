@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from steadfast.checkpoint_files import check_fits
 
+from steadfast.checkpoint_files import check_fits
 from tests.fixtures.stand_in import StandIn
 from tests.helpers import DDP2, PYTHONPATH, RUN_NAME, STAND_IN, cli, with_stand_in
 
@@ -203,11 +203,13 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
 
 
 def test_the_resume_command_is_the_users_without_the_class_switches_null_and_the_old_ckpt_path():
-    from steadfast.config import start_from_class_defaults
+    from steadfast.config import entered, start_from_class_defaults
     from steadfast.rank_failures import resume_command
 
     typed = ["validate", "--model", "my.Model", "--data=my.Data", "--ckpt_path", "best", "--trainer.devices", "2"]
     rewritten = ["prog", *start_from_class_defaults(typed)]  # what sys.argv holds once the CLI has parsed it
     assert rewritten.count("null") == 2
-    assert resume_command(rewritten) == ("python -m project fit --model my.Model --data=my.Data --trainer.devices 2 "
-                                         "--ckpt_path last")  # fmt: skip
+    rest = "fit --model my.Model --data=my.Data --trainer.devices 2 --ckpt_path last"
+    for program in ("steadfast", "project"):  # the engine's own entry, and a project's thin one
+        with entered(program, None):
+            assert resume_command(rewritten) == f"python -m {program} {rest}"

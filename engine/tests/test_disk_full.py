@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from steadfast.checkpoint_io import AtomicCheckpointIO, CheckpointWriteError
 
+from steadfast.checkpoint_io import AtomicCheckpointIO, CheckpointWriteError
 from tests.helpers import QUIET, RUN_NAME, cli, run_dirs
 
 # 3 steps per epoch; the stand-in's default net makes ~1 MB checkpoints, more than the room left on a full disk

@@ -14,11 +14,11 @@ import torch
 import yaml
 from lightning.pytorch import LightningModule
 from safetensors import safe_open
+from torch import nn
+
 from steadfast.export import export
 from steadfast.testing import lightning_model, load_exported
 from steadfast.weights import build
-from torch import nn
-
 from tests.helpers import PYTHONPATH, REPO, RUN_NAME, with_stand_in
 
 # the stand-in with each of its nets (tests/fixtures/stand_in.py), by class name

@@ -6,8 +6,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from steadfast.guards import StopOnNonFinite
 
+from steadfast.guards import StopOnNonFinite
 from tests.fixtures.shapes import DictData, DictRegression
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+
 from steadfast.checkpoint_io import wait_for_writes
 from steadfast.hang_watchdog import FROZEN_S, Beat, stalled
 from steadfast.runs import Runs
-
 from tests.helpers import DDP2, QUIET, RUN_NAME, STAND_IN, cli, run_dirs
 
 # Epochs of 4 steps, a checkpoint at each end (the best by val/acc): the run is still training when a fault acts.

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from steadfast.run_checkpoints import find_last_checkpoint
 
+from steadfast.run_checkpoints import find_last_checkpoint
 from tests.helpers import DDP2, PYTHONPATH, QUIET, REPO, RUN_NAME, STAND_IN, run_dirs, scalars
 from tests.test_summary import SUMMARY
 

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from steadfast.loaders import ResumableDataLoader, ResumableSampler, TensorBatchDataset, make_loader
 
 

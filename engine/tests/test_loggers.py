@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from steadfast.loggers import ThrottledTensorBoardLogger
 
+from steadfast.loggers import ThrottledTensorBoardLogger
 from tests.helpers import QUIET, REPO, RUN_NAME, cli, cli_in_process, scalars
 
 

@@ -6,8 +6,8 @@ The differences here are made on purpose; the oracles are the engine's documente
 
 import pytest
 import torch
-from steadfast.next_batch import _hashes
 
+from steadfast.next_batch import _hashes
 from tests.helpers import QUIET, cli_in_process
 
 SEED = 42  # configs/default.yaml's seed_everything: the engine's samplers draw each epoch's order from seed + epoch

@@ -4,9 +4,9 @@ validated, tested, exported and resumed by the engine's CLI (the resume said to 
 import lightning as L
 import pytest
 import torch
+
 from steadfast.checkpoint_files import load_checkpoint_file
 from steadfast.export import example_inputs
-
 from tests.fixtures.stand_in import BlobsDataModule, StandIn
 from tests.helpers import PYTHONPATH, QUIET, REPO, cli
 

@@ -8,9 +8,9 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from steadfast.predictions import PredictionWriter
 from torch.utils.data import DataLoader, TensorDataset
 
+from steadfast.predictions import PredictionWriter
 from tests.fixtures.stand_in import SAMPLES, BlobsDataModule, StandIn
 from tests.helpers import QUIET, RUN_NAME, cli
 

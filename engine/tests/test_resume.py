@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-from steadfast.run_checkpoints import is_loadable, read_global_step
 
+from steadfast.run_checkpoints import is_loadable, read_global_step
 from tests.faults import kill_at
 from tests.helpers import (
     DDP2,

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 from jsonargparse import Namespace
-from steadfast.runs import default_name, plan_run
 
+from steadfast.runs import default_name, plan_run
 from tests.helpers import RUN_NAME
 
 

@@ -3,10 +3,10 @@ each training sample's draws are a function of (seed, epoch, index), whatever wo
 
 import pytest
 import torch
-from steadfast.loaders import ResumableSampler
-from steadfast.sample_seeds import can_seed, sample_seed, worker_init
 from torch.utils.data import DataLoader
 
+from steadfast.loaders import ResumableSampler
+from steadfast.sample_seeds import can_seed, sample_seed, worker_init
 from tests.faults import kill_at
 from tests.fixtures.augment import Augmented, AugmentedBlobs
 from tests.helpers import QUIET, cli, run_dirs

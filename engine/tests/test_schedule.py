@@ -6,8 +6,8 @@ import math
 import lightning as L
 import pytest
 import torch
-from steadfast.schedule import FitScheduleToRun, LinearWarmupCosineAnnealingLR
 
+from steadfast.schedule import FitScheduleToRun, LinearWarmupCosineAnnealingLR
 from tests.fixtures.stand_in import SAMPLES, BlobsDataModule, StandIn
 
 

@@ -16,10 +16,10 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from steadfast.compat import launched_children
-from steadfast.signals import AGREE_EVERY, STOP_WITHIN
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from steadfast.compat import launched_children
+from steadfast.signals import AGREE_EVERY, STOP_WITHIN
 from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, cli, run_dirs
 

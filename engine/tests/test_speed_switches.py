@@ -3,9 +3,9 @@
 import lightning as L
 import pytest
 import torch
+
 from steadfast.schedule import FitScheduleToRun
 from steadfast.speed import Compile, MatmulPrecision
-
 from tests.fixtures.stand_in import BlobsDataModule, StandIn
 from tests.helpers import QUIET, REPO, cli, run_dirs, scalars
 

@@ -84,8 +84,10 @@ def test_a_killed_fit_of_a_stream_resumes_at_its_state_or_fast_forwards_without_
     *seen, line, reference = killed_and_resumed(tmp_path, 30, 27, "--trainer.max_epochs", "2")
     assert seen == [0, 0, 0, 0.0], seen
     assert (
-        "exact resume: yes, also mid-epoch | streams: train loader 0 (Tokens): fast-forwarded past the 8 samples"
-        " of epoch 1 trained on (read again, not trained on; checked against the checkpoint's fingerprint" in line
+        "exact resume: resume verified (train loader 0 (Tokens): read again past the 8 samples trained on, the "
+        "stream gave the batch the checkpoint recorded last) | streams: train loader 0 (Tokens): fast-forwarded past "
+        "the 8 samples of epoch 1 trained on (read again, not trained on; checked against the checkpoint's "
+        "fingerprint" in line
     )
     *seen, line, _ = killed_and_resumed(tmp_path, 30, 27, "--trainer.max_epochs", "2", "--data.state", "true",
                                         reference=reference)  # fmt: skip
@@ -134,7 +136,11 @@ def test_a_stream_whose_order_is_not_the_same_after_a_resume_stops_before_the_fi
     capsys.readouterr()
     cli_in_process("fit", *args, "--ckpt_path", "last", "--run.stream_resume", "restart", root=tmp_path / "runs")
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Run "))
-    assert "exact resume: see opts out" in line and "run.stream_resume is restart: a mid-epoch resume restarts" in line
+    unverified = "exact resume: not verified: train loader 0 streams an IterableDataset (Tokens): its next batch has"
+    assert (
+        unverified + " no index; see opts out" in line
+        and "run.stream_resume is restart: a mid-epoch resume restarts" in line
+    )
     assert last(tmp_path)["global_step"] == 27 + 25  # epoch 1's 25 batches again, from step 27
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from steadfast.checkpoint_files import CheckpointLoadError, load_checkpoint_file
 from steadfast.compat_torch import load_bytes_weights_only
 from steadfast.sharded import INDEX, META, _IndexUnpickler, full_state_dict, read_index, read_meta

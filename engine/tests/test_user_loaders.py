@@ -4,8 +4,6 @@ mid-epoch resumes are bit-exact and DDP evaluation sees each sample once, with n
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from steadfast.loaders import ResumableSampler
-from steadfast.user_loaders import engine_loader
 from torch.utils.data import (
     DataLoader,
     DistributedSampler,
@@ -15,6 +13,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from steadfast.loaders import ResumableSampler
+from steadfast.user_loaders import engine_loader
 from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, cli, cli_in_process, max_abs_diff, run_dirs, scalars
 
@@ -147,8 +147,9 @@ def test_a_resume_keeps_the_seed_its_run_drew_the_order_with(monkeypatch):
     [
         (["--data.train_sampler", "own"], "train loader 0: its sampler EveryOtherSampler is the user's own: a "
                                           "mid-epoch resume restarts that epoch's data"),
-        (["--data.train_sampler", "stream"], "train loader 0: an IterableDataset (Stream) without state_dict: a "
-                                             "mid-epoch resume restarts that epoch's data"),
+        # a stream without state is fast-forwarded (steadfast.stream_resume), checked against its fingerprint
+        (["--data.train_sampler", "stream"], "exact resume: yes, also mid-epoch | streams: train loader 0 (Stream), "
+                                             "no state_dict: a mid-epoch resume fast-forwards it"),
         (["--data.train_sampler", "weighted"], "exact resume: yes, also mid-epoch"),
         (["--data.val_sampler", "own"], "exact resume: yes, also mid-epoch"),  # one rank: each sample once
     ],
