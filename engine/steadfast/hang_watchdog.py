@@ -6,7 +6,7 @@ SIGKILL ends it)::
 
     error: rank 1 made no progress for 11 s while training at global step 6 (its process stopped running: SIGSTOP,
     a debugger, or a call that holds Python's lock; run.hang_timeout 10 s); the other ranks stopped. Newest complete
-    checkpoint, intact: ... (step 4). Resume: python -m project fit ... --ckpt_path last
+    checkpoint, intact: ... (step 4). Resume: python -m steadfast fit ... --ckpt_path last
 
 Progress is a training batch (its start, its backward, its end), a validation, test or predict batch, or the start
 of a checkpoint save, on any rank. A collective cannot tell about a peer that does not answer, so each rank keeps a

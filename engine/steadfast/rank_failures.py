@@ -7,7 +7,7 @@ that names neither the dead rank nor what to do. Here a survivor's ``on_exceptio
 and one of them (rank 0, or the lowest surviving rank when rank 0 is the one that died) prints instead::
 
     error: rank 1 was killed by SIGKILL (kill -9, or out of memory); the other ranks stopped. Newest complete
-    checkpoint, intact: runs/digits/version_0/checkpoints/last.ckpt (step 6). Resume: python -m project fit ...
+    checkpoint, intact: runs/digits/version_0/checkpoints/last.ckpt (step 6). Resume: python -m steadfast fit ...
     --ckpt_path last
 
 (one line) and exits with code 1 at once. A rank whose own code raised keeps its traceback (the cause) and leaves
@@ -63,7 +63,7 @@ def is_peer_gone(error: BaseException) -> bool:
 
 
 def resume_command(argv: list[str]) -> str:
-    """``python -m project fit ARGS --ckpt_path last`` from this process's arguments, without its ``--ckpt_path``
+    """``python -m steadfast fit ARGS --ckpt_path last`` from this process's arguments, without its ``--ckpt_path``
     and without the ``--model null`` / ``--data null`` the engine put before a class (``start_from_class_defaults``):
     the command the user typed."""
     args, skip = [], False

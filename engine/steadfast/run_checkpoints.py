@@ -9,6 +9,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from steadfast.best import best_checkpoint
 from steadfast.checkpoint_files import CheckpointLoadError, load_checkpoint_file
+from steadfast.config import entry
 from steadfast.sharded import is_sharded_checkpoint, read_meta
 
 
@@ -86,7 +87,7 @@ def find_best_checkpoint(name: str, family: Path) -> Path:
         found = find_last_checkpoint(family)
         if found is None:
             raise ResumeError(
-                f"{flag}: no checkpoint under {family}/*/. Train one first (python -m project fit), or give a .ckpt "
+                f"{flag}: no checkpoint under {family}/*/. Train one first ({entry().command} fit), or give a .ckpt "
                 "file or a run folder."
             )
         folder = found[0].parent

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
+from steadfast.config import entry
 from steadfast.run_checkpoints import (
     ResumeError,
     checkpoints_newest_first,
@@ -207,8 +208,8 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
         found = find_last_checkpoint(family)
         if found is None and subcommand != "fit":  # evaluating random weights is never what was asked for
             raise ResumeError(
-                f"--ckpt_path last: no checkpoint under {family}/*/ to {subcommand}. Train one first (python -m "
-                "project fit), or give a .ckpt file."
+                f"--ckpt_path last: no checkpoint under {family}/*/ to {subcommand}. Train one first "
+                f"({entry().command} fit), or give a .ckpt file."
             )
         if found is None:
             rank_zero_info(f"--ckpt_path last: no checkpoint under {family}/*/; starting from scratch.")

@@ -1,6 +1,6 @@
-"""``python -m project sweep --config configs/sweep.yaml``: an Optuna study whose trials are ordinary ``fit`` runs.
+"""``python -m steadfast sweep --config configs/sweep.yaml``: an Optuna study whose trials are ordinary ``fit`` runs.
 
-Each trial is ``python -m project fit FIT_ARGS --run.root <root>/<name> --run.name trial_N --KEY VALUE ...
+Each trial is ``python -m steadfast fit FIT_ARGS --run.root <root>/<name> --run.name trial_N --KEY VALUE ...
 --ckpt_path last`` in a process of its own, so DDP, launchers and every engine guarantee apply to it, and its run
 folder is ``<root>/<name>/trial_N/version_0``. The study lives in ``<root>/<name>/study.db``. A worker holds a lock
 on ``trial_N/worker.lock`` while trial N runs; a RUNNING trial whose lock is free was left by a dead worker (a
