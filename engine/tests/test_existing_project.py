@@ -15,7 +15,7 @@ from tests.helpers import ENGINE
 
 pytestmark = pytest.mark.slow
 
-MODEL = '''
+MODEL = """
 import lightning as L
 import torch
 from torch import nn
@@ -41,9 +41,9 @@ class Regressor(L.LightningModule):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-'''
+"""
 
-DATA = '''
+DATA = """
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -65,7 +65,7 @@ class Points(L.LightningDataModule):
 
     def val_dataloader(self):
         return DataLoader(self.val_set, batch_size=self.batch_size)
-'''
+"""
 
 CONFIG = """
 seed_everything: 7
