@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, STAND_IN
+from tests.helpers import ENGINE, REPO, STAND_IN
 
 BASE = REPO / "configs" / "default.yaml"  # always read first; it names the example's classes
 # The configs given after the base config: none names a model or data class, so they apply to the stand-in too.
@@ -62,7 +62,7 @@ def test_installed_without_editable_the_base_config_is_the_project_folders_or_na
     shutil.copytree(REPO / "project", site / "project", ignore=shutil.ignore_patterns("__pycache__"))
     # the stand-in beside it, importable as tests.fixtures.stand_in: what the run below is given to train
     shutil.copytree(
-        REPO / "tests" / "fixtures", site / "tests" / "fixtures", ignore=shutil.ignore_patterns("__pycache__")
+        ENGINE / "tests" / "fixtures", site / "tests" / "fixtures", ignore=shutil.ignore_patterns("__pycache__")
     )
     shutil.copytree(REPO / "configs", folder / "configs")
     elsewhere.mkdir()
