@@ -32,7 +32,7 @@ from steadfast.profiler import NoProfiler
 from steadfast.rank_failures import RankFailures
 from steadfast.resume import ExactResume
 from steadfast.run_folder import FolderBefore, RunFolder, clean_up_failed_start, remove_if_empty
-from steadfast.run_loggers import keep_csv_history, point_loggers_at
+from steadfast.run_loggers import default_logger, keep_csv_history, point_loggers_at
 from steadfast.run_scope import for_the_run, freeze_what_was_built
 from steadfast.runs import RunPlan, Runs, plan_run
 from steadfast.schedule import FitScheduleToRun
@@ -44,12 +44,6 @@ from steadfast.stream_resume import StreamResume
 from steadfast.user_loaders import UserLoaders
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
-
-
-DEFAULT_LOGGER = {
-    "class_path": "steadfast.ThrottledTensorBoardLogger",
-    "init_args": {"save_dir": "runs", "default_hp_metric": False},
-}
 
 
 class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
@@ -82,7 +76,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         # Lightning's default logger, TensorBoard, as a parsed default rather than a None the Trainer fills in: a
         # user's --trainer.logger+=CSVLogger then adds to it, as Lightning's docs read, instead of replacing it.
         # runs.point_loggers_at points it at the run folder; `false` or a list of the user's own replaces it.
-        parser.set_defaults({"trainer.logger": DEFAULT_LOGGER})
+        parser.set_defaults({"trainer.logger": default_logger()})
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         check_yaml_files(parser, sys.argv[1:] if args is None else args)

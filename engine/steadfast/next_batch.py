@@ -32,6 +32,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from steadfast.loaders import ResumableDataLoader, ResumableSampler
 from steadfast.sample_seeds import seed_per_sample
+from steadfast.stream_resume import StreamLoader
 from steadfast.user_loaders import saves_its_state
 
 # A record is one int64 tensor: these fields, then the n sample indices, then the n sample hashes.
@@ -179,12 +180,8 @@ def _fast_forward_checked(loader: Any) -> str | None:
     """What verified a stream the engine fast-forwarded (``steadfast.stream_resume``): the last batch it read again
     had the checkpoint's fingerprint (one that differs stops the run before the first step); ``None``: not such a
     stream, or no fast-forward this time."""
-    position = getattr(loader, "position", None)
-    from steadfast.stream_resume import StreamLoader
-
-    if not isinstance(loader, StreamLoader) or position.stateful or position.resumed is None:
-        return None
-    if position.problem is not None:
+    position = loader.position if isinstance(loader, StreamLoader) else None
+    if position is None or position.stateful or position.resumed is None or position.problem is not None:
         return None
     samples = sum(position.resumed["samples"])
     return (f"resume verified ({position.name}: read again past the {samples} samples trained on, the stream gave "

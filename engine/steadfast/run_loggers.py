@@ -30,18 +30,23 @@ def logger_configs(trainer_config: Namespace) -> list[Namespace]:
     return [item for item in items if isinstance(item, Namespace) and item.get("class_path")]
 
 
+def default_logger() -> dict[str, Any]:
+    """The run's logger when its config names none (Lightning's default, TensorBoard): the engine's throttled one,
+    its folder set by ``point_loggers_at``."""
+    return {"class_path": "steadfast.ThrottledTensorBoardLogger",
+            "init_args": {"save_dir": "runs", "default_hp_metric": False}}  # fmt: skip
+
+
 def point_loggers_at(plan: RunPlan, trainer_config: Namespace) -> list[str]:
     """Sets each known logger's arguments so that it writes into (or continues) the planned run; returns the class
     names of loggers it does not know, which Lightning places as they say."""
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
-    from steadfast.loggers import ThrottledTensorBoardLogger
-
     trainer_config["default_root_dir"] = str(plan.dir)  # Lightning's folder when there is no logger
     if trainer_config.get("logger") in (None, True):  # Lightning's own default, TensorBoard: the engine's throttled one
+        default = default_logger()
         trainer_config["logger"] = Namespace(
-            class_path=f"{ThrottledTensorBoardLogger.__module__}.{ThrottledTensorBoardLogger.__name__}",
-            init_args=Namespace(save_dir=str(plan.dir), default_hp_metric=False),
+            class_path=default["class_path"], init_args=Namespace(**default["init_args"])
         )
     family, unknown = plan.dir.parent, []
     for item in logger_configs(trainer_config):
