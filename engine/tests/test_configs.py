@@ -74,10 +74,12 @@ def test_installed_without_editable_the_base_config_is_the_project_folders_or_na
 
     found = run(folder, *STAND_IN, "--print_config")
     assert found.returncode == 0, found.stderr[-2000:]
-    # the base config's callbacks, which no class default or flag above gives: the project folder's base config
-    base = yaml.safe_load(BASE.read_text())["trainer"]["callbacks"]
-    printed = yaml.safe_load(found.stdout)["trainer"]["callbacks"]
-    assert [c["class_path"] for c in printed] == [c["class_path"] for c in base], printed
+    # the base config's Trainer settings, which no class default or flag above gives (Lightning's max_epochs is
+    # None, deterministic False): the project folder's base config was read
+    base = yaml.safe_load(BASE.read_text())["trainer"]
+    printed = yaml.safe_load(found.stdout)["trainer"]
+    assert (printed["max_epochs"], printed["deterministic"]) == (base["max_epochs"], base["deterministic"]), printed
+    assert base["max_epochs"] is not None and base["deterministic"] is True  # else the check above proves nothing
     lost = run(elsewhere, "--trainer.fast_dev_run", "true")
     assert lost.returncode != 0
     default = Path("configs") / "default.yaml"
