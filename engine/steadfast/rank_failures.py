@@ -161,7 +161,9 @@ class RankFailures(Callback):
         if not is_peer_gone(exception):
             self._own_error = True
             self._leave_note(exception)  # this rank's own error: its traceback follows, the reporter names it
-            self._settled.set()
+            # _settled stays clear: this process ends itself after its own message. When every rank raised, a
+            # child exits first, and Lightning's observer, let go here, SIGKILLed rank 0 mid-message (exit -9, 1
+            # CI run in ~20); held, it waits HOLD_S, by when this process is gone.
             return
         deadline = time.monotonic() + WAIT_S
         if self.rank == 0:
