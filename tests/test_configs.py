@@ -28,10 +28,10 @@ def test_every_config_parses_with_the_example(config, monkeypatch, capsys):
 def test_every_sweep_config_parses_and_its_space_fits_the_fit_parser(config):
     from project.__main__ import BASE_CONFIGS, main
     from steadfast.config import entered
-    from steadfast.sweep import build_parser, sweep_from
+    from steadfast.sweep import build_parser, fit_cli, sweep_from
     from steadfast.sweep_space import check_space
 
     parser = build_parser()
     sweep = sweep_from(parser, parser.parse_args(["--config", str(config)]))
     with entered(main.__module__.split(".")[0], BASE_CONFIGS):  # as `python -m project sweep` checks it
-        check_space(sweep.space, sweep.fit)  # raises ValueError naming a key or value that fit refuses
+        check_space(sweep.space, sweep.fit, fit_cli(sweep.fit))  # raises ValueError naming what fit refuses

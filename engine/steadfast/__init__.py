@@ -80,7 +80,7 @@ __version__ = "1.0.0"  # engine/pyproject.toml's; CHANGELOG.md says what each ve
 
 # The public names (docs/engine.md), imported when first used: `import steadfast` alone builds no CLI.
 _PUBLIC = {
-    "cli_main": "steadfast.cli",
+    "cli_main": "steadfast.main",
     "LinearWarmupCosineAnnealingLR": "steadfast.schedule",
     "ShardedStrategy": "steadfast.sharded",
     "ThrottledTensorBoardLogger": "steadfast.loggers",

@@ -3,7 +3,7 @@ and LightningDataModule that import from here; no base config (a project passes 
 
 import gc
 
-from steadfast.cli import cli_main
+from steadfast.main import cli_main
 
 if __name__ == "__main__":
     try:

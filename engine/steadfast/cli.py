@@ -3,7 +3,6 @@
 (``steadfast.errors``)."""
 
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,9 @@ from steadfast.after_fit import test_best
 from steadfast.checkpoint_files import check_fits
 from steadfast.checkpoint_policy import CheckpointPolicy
 from steadfast.compat import ParsesPlainLightningCheckpoints, cli_section
-from steadfast.config import SaveConfigOnce, base_monitor, entered, entry, start_from_class_defaults
+from steadfast.config import SaveConfigOnce, base_monitor, entry, start_from_class_defaults
 from steadfast.distributed import DestroyProcessGroup
+from steadfast.elastic import GlobalBatch
 from steadfast.errors import OneLineParser, check_yaml_files, one_line_errors, root_cause
 from steadfast.guarantees import Guarantees
 from steadfast.guards import StopOnNonFinite
@@ -39,7 +39,7 @@ from steadfast.schedule import FitScheduleToRun
 from steadfast.sharded import ShardedStrategy as Sharded
 from steadfast.sharded import check_same_network
 from steadfast.signals import Preemption
-from steadfast.speed import Speed
+from steadfast.speed import Speed, SpeedSwitch
 from steadfast.stream_resume import StreamResume
 from steadfast.user_loaders import UserLoaders
 
@@ -131,10 +131,17 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         # config brings wins.
         policy: CheckpointPolicy = cli_section(self, self.config_init, "checkpoints")
         runs = cli_section(self, self.config_init, "run")
+        # The engine's parts, each handed the others it reads: the run's shape is planned where the train loader is
+        # built and saved by the resume state; the start line reads both and the streams.
         streams = StreamResume(runs.stream_resume)  # the train streams' positions, per rank and loader worker
+        batches = GlobalBatch()
+        resume = ExactResume(batches)
+        loaders = UserLoaders(seed_per_sample=runs.seed_per_sample, streams=streams, batches=batches)
+        guarantees = None
         if self.run_plan is not None:  # before the bar: the start line is printed before the bar's first frame
             self.run_folder = RunFolder(self.run_plan)
-            callbacks += [self.run_folder, Guarantees(self.run_plan, self.unknown_loggers, policy, streams)]
+            guarantees = Guarantees(self.run_plan, self.unknown_loggers, policy, streams, resume, loaders)
+            callbacks += [self.run_folder, guarantees]
         # run.monitor's ModelCheckpoint and EarlyStopping (in every subcommand: a checkpoint names their states),
         # checked before either acts
         from_run, said = run_monitor_callbacks(cli_section(self, self.config_init, "run"), callbacks, base_monitor())
@@ -145,6 +152,8 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         callbacks = [*checks, *from_run, *callbacks, *policy.callbacks(callbacks)]
         speed: Speed = cli_section(self, self.config_init, "speed")
         callbacks += speed.callbacks(callbacks)
+        if guarantees is not None:  # the switches on, the config's own (a copy made before 1.0.0 lists them) among them
+            guarantees.switches = [c for c in callbacks if isinstance(c, SpeedSwitch)]
         plugins = config.get("plugins") or []
         kwargs["plugins"] = policy.plugins([*plugins] if isinstance(plugins, list) else [plugins])
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
@@ -162,40 +171,20 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             *callbacks,
             failures,
             HangWatchdog(runs.hang_timeout, failures.report),
-            UserLoaders(seed_per_sample=runs.seed_per_sample, streams=streams),  # the engine's samplers in them
+            loaders,  # the engine's samplers in the user's loaders
             streams,
+            resume,
         ]
         if config.get("profiler") is None:
             kwargs["profiler"] = NoProfiler()
         return super().instantiate_trainer(**kwargs)
 
 
-def cli_main(
-    args: ArgsType = None,
-    run: bool = True,
-    base_config: Path | str | Sequence[Path | str] | None = None,
-    program: str | None = None,
-) -> CLI | None:
-    """``python -m steadfast fit|validate|test|predict ...``, or ``sweep ...`` (``steadfast.sweep``).
-
-    ``base_config``: the config read before any other (the first of these paths that is a file), e.g. a project's
-    ``configs/default.yaml``; ``program``: what the user runs (``python -m <program>``), in the commands the engine
-    prints and for a sweep's trials; both default to those of the invocation this one runs in (a sweep checking its
-    space), else ``steadfast`` without a base config. ``run=False``: parse and instantiate ``args`` (no subcommand)
-    and run nothing, e.g. to check a sweep's space.
-    """
-    outer = entry()
-    with entered(program or outer.program, outer.base_config if base_config is None else base_config):
-        return _cli_main(args, run)
-
-
-def _cli_main(args: ArgsType, run: bool) -> CLI | None:
+def run_cli(args: ArgsType, run: bool) -> CLI | None:
+    """``fit|validate|test|predict ARGS`` through the engine's LightningCLI, inside ``config.entered`` (the program
+    and base config of this invocation: ``steadfast.main.cli_main`` enters them). ``run=False``: parse and
+    instantiate ``args`` (no subcommand) and run nothing, e.g. to check a sweep's space."""
     argv = sys.argv[1:] if args is None else args
-    if run and isinstance(argv, list | tuple) and list(argv[:1]) == ["sweep"]:
-        from steadfast.sweep import sweep_main  # optuna, from the sweep extra, only when sweeping
-
-        sweep_main(argv[1:])
-        return None
     # Subclass mode (no model/data class given): any LightningModule, DataModule or net is one class_path away.
     default, looked = entry().base_config, entry().looked
     if looked and isinstance(argv, list) and not {"-c", "--config", "-h", "--help"} & set(map(str, argv)):
@@ -217,7 +206,7 @@ def _cli_main(args: ArgsType, run: bool) -> CLI | None:
                 # schedule does not fit the run. (A dead or hung rank's report comes from instantiate_trainer.)
                 trainer_defaults={
                     "callbacks": [
-                        *(ExactResume(), Preemption(), StopOnNonFinite(), DestroyProcessGroup()),
+                        *(Preemption(), StopOnNonFinite(), DestroyProcessGroup()),
                         OneFilePerPoint(),
                         PredictionWriter(),
                         FitScheduleToRun(),

@@ -46,28 +46,38 @@ def data_parallel_world(trainer: L.Trainer) -> int:
     return (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)
 
 
-def global_batch(trainer: L.Trainer, batch_size: int) -> int:
-    """Samples per optimizer step over all ranks, for a train loader of ``batch_size`` per device.
+class GlobalBatch:
+    """The run's split of its global batch, and on a resume from a checkpoint of another shape how it keeps the
+    checkpoint's. One per run: the CLI hands the same instance to the part that builds the train loader
+    (``user_loaders``, which plans it) and to the one that saves and restores it (``resume.ExactResume``)."""
 
-    Called where the train loader is built. On a resume from a checkpoint of another shape it keeps the
-    checkpoint's global batch: it sets ``trainer.accumulate_grad_batches`` to the value that does, or raises
-    ``ValueError`` naming the per-device batch and accumulation that would when no integer accumulation does.
-    """
-    keeper = _exact_resume(trainer)
-    now = Shape(data_parallel_world(trainer), batch_size, trainer.accumulate_grad_batches)
-    saved = keeper.saved_shape if keeper is not None else None
-    if saved is not None and saved != now:
-        now = _keep(saved, now)
-        if now.accumulate != trainer.accumulate_grad_batches:
-            how = f"accumulate_grad_batches {trainer.accumulate_grad_batches} -> {now.accumulate} keeps the"
-            trainer.accumulate_grad_batches = now.accumulate
-        else:
-            how = "the same"
-        keeper.elastic_note = f"{saved.world} -> {now.world} rank(s): {how} global batch of {now}"
-        keeper.resized = (saved.world * saved.batch_size, now.world * now.batch_size)
-    if keeper is not None:
-        keeper.shape = now
-    return now.global_batch
+    def __init__(self) -> None:
+        self.shape: Shape | None = None  # this run's, planned where its train loader is built
+        self.saved: Shape | None = None  # the checkpoint's
+        self.note: str | None = None  # the start line's ``elastic:`` segment
+        self.resized: tuple[int, int] | None = None  # samples of one micro-batch over all ranks: checkpoint's, now
+
+    def plan(self, trainer: L.Trainer, batch_size: int) -> int:
+        """Samples per optimizer step over all ranks, for a train loader of ``batch_size`` per device.
+
+        On a resume from a checkpoint of another shape it keeps the checkpoint's global batch: it sets
+        ``trainer.accumulate_grad_batches`` to the value that does (here, where the loader is built: Lightning reads
+        the accumulation next, for the schedule's step count), or raises ``ValueError`` naming the per-device batch
+        and accumulation that would when no integer accumulation does.
+        """
+        now = Shape(data_parallel_world(trainer), batch_size, trainer.accumulate_grad_batches)
+        saved = self.saved
+        if saved is not None and saved != now:
+            now = _keep(saved, now)
+            if now.accumulate != trainer.accumulate_grad_batches:
+                how = f"accumulate_grad_batches {trainer.accumulate_grad_batches} -> {now.accumulate} keeps the"
+                trainer.accumulate_grad_batches = now.accumulate
+            else:
+                how = "the same"
+            self.note = f"{saved.world} -> {now.world} rank(s): {how} global batch of {now}"
+            self.resized = (saved.world * saved.batch_size, now.world * now.batch_size)
+        self.shape = now
+        return now.global_batch
 
 
 def _keep(saved: Shape, now: Shape) -> Shape:
@@ -123,9 +133,3 @@ def epoch_note(limit: int | float, samples: float, saved_samples: int, now: Shap
 def has_batch_norm(module: Any) -> bool:
     kinds = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)  # the Lazy ones subclass these
     return any(isinstance(m, kinds) for m in module.modules())
-
-
-def _exact_resume(trainer: L.Trainer) -> Any:
-    from steadfast.resume import ExactResume  # resume.py imports this module
-
-    return next((c for c in trainer.callbacks if isinstance(c, ExactResume)), None)

@@ -15,6 +15,7 @@ from steadfast.checkpoint_policy import CheckpointPolicy
 from steadfast.loaders import ResumableDataLoader, ResumableSampler
 from steadfast.resume import ExactResume
 from steadfast.runs import RunPlan
+from steadfast.speed import SpeedSwitch
 from steadfast.stream_resume import StreamLoader, StreamResume
 from steadfast.user_loaders import UserLoaders, saves_its_state
 
@@ -31,9 +32,18 @@ class Guarantees(Callback):
     """
 
     def __init__(
-        self, plan: RunPlan, unknown_loggers: list[str], policy: CheckpointPolicy, streams: StreamResume | None = None
+        self,
+        plan: RunPlan,
+        unknown_loggers: list[str],
+        policy: CheckpointPolicy,
+        streams: StreamResume | None = None,
+        resume: ExactResume | None = None,
+        loaders: UserLoaders | None = None,
+        switches: list[SpeedSwitch] | None = None,
     ) -> None:
         self.plan, self.unknown_loggers, self.policy, self.streams = plan, unknown_loggers, policy, streams
+        self.resume, self.loaders = resume, loaders  # what verifies a resume; what says what each loader gives up
+        self.switches = list(switches or [])  # the speed switches on (``speed.Speed``'s and the config's)
         self._to_print = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -43,7 +53,7 @@ class Guarantees(Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
         if self._to_print:
-            resume = _exact_resume(trainer)
+            resume = self.resume
             self._print(trainer, resume.verify(trainer) if resume is not None else None)  # every rank: it gathers
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -79,7 +89,7 @@ class Guarantees(Callback):
             weights = f"the weights fit ended with, step {trainer.global_step}"
         else:
             weights = "untrained weights"
-        notes = _loader_notes(trainer).get("val" if stage == "validate" else stage, [])
+        notes = self._loader_notes().get("val" if stage == "validate" else stage, [])
         print(
             f"Run {trainer.default_root_dir} ({stage} of {weights}) | {self._ranks(trainer)} | logs: "
             f"{self._logs(trainer)}" + (" | opts out: " + "; ".join(notes) if notes else ""),
@@ -111,7 +121,7 @@ class Guarantees(Callback):
         if not checkpoints:
             out.append("checkpointing is off: nothing to resume from")
         loaders = CombinedLoader(trainer.train_dataloader).flattened if trainer.train_dataloader is not None else []
-        notes = _loader_notes(trainer)
+        notes = self._loader_notes()
         out += notes.get("train", [])
         out += self.streams.notes(trainer) if self.streams is not None else []
         kept = [dl for dl in loaders if saves_its_state(dl) or isinstance(dl, StreamLoader)]  # a position saved
@@ -120,7 +130,7 @@ class Guarantees(Callback):
         elif any(isinstance(dl, ResumableDataLoader) and type(dl.sampler) is not ResumableSampler for dl in loaders):
             out.append("overfit_batches: a mid-epoch resume loads the consumed batches again to skip them")
         out += notes.get("val", [])  # built by now unless the sanity check is off
-        resume = _exact_resume(trainer)
+        resume = self.resume
         out += resume.notes(trainer, trainer.lightning_module) if resume is not None else []
         if not torch.are_deterministic_algorithms_enabled() and trainer.strategy.root_device.type == "cuda":
             out.append("deterministic is off: nondeterministic CUDA kernels, so a resume is close, not bitwise equal")
@@ -138,7 +148,7 @@ class Guarantees(Callback):
             exact = verdict[1] + ("; see opts out" if out else "")
         else:
             exact = "yes, also mid-epoch" if not out else "see opts out"
-        elastic = f" | elastic: {resume.elastic_note}" if resume is not None and resume.elastic_note else ""
+        elastic = f" | elastic: {resume.batches.note}" if resume is not None and resume.batches.note else ""
         streams = self.streams.describe() if self.streams is not None else []
         elastic += " | streams: " + "; ".join(streams) if streams else ""  # what resuming each one costs
         line = (
@@ -147,16 +157,19 @@ class Guarantees(Callback):
         )
         off = self.policy.off(trainer)
         line += " | opts out: " + "; ".join(out) if out else ""
-        return line + (" | off: " + "; ".join(off) if off else "") + speed_switches(trainer)
+        return line + (" | off: " + "; ".join(off) if off else "") + speed_switches(trainer, self.switches)
+
+    def _loader_notes(self) -> dict[str, list[str]]:
+        """Per split, the guarantees the loaders that ``UserLoaders`` left alone give up."""
+        return self.loaders.notes if self.loaders is not None else {}
 
 
-def speed_switches(trainer: L.Trainer) -> str:
+def speed_switches(trainer: L.Trainer, switches: list[SpeedSwitch]) -> str:
     """`` | speed: ...``, the speed switches on in this run that change more than the loop (each set for the run and
     undone after: ``steadfast.run_scope``, ``host_memory``); empty when none is."""
     from steadfast import host_memory, run_scope
     from steadfast.checkpoint_io import AtomicCheckpointIO
     from steadfast.compat_logging import moves_skipped
-    from steadfast.speed import SpeedSwitch
 
     on = ["malloc keeps freed memory"] if host_memory.in_force else []
     on += ["heap frozen (gc)"] if run_scope.heap_frozen() else []
@@ -165,14 +178,5 @@ def speed_switches(trainer: L.Trainer) -> str:
     if isinstance(io, AtomicCheckpointIO):
         on += ["saves in the background"] if io.background else []
         on += ["no CRC-32 in checkpoints"] if not io.crc32 else []
-    on += [callback.describe() for callback in trainer.callbacks if isinstance(callback, SpeedSwitch)]
+    on += [switch.describe() for switch in switches]
     return " | speed: " + ", ".join(on) if on else ""
-
-
-def _exact_resume(trainer: L.Trainer) -> ExactResume | None:
-    return next((c for c in trainer.callbacks if isinstance(c, ExactResume)), None)
-
-
-def _loader_notes(trainer: L.Trainer) -> dict[str, list[str]]:
-    """Per split, the guarantees the loaders that ``UserLoaders`` left alone give up."""
-    return next((c.notes for c in trainer.callbacks if isinstance(c, UserLoaders)), {})  # type: ignore[attr-defined]

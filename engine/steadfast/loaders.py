@@ -1,14 +1,12 @@
-"""Loaders that resume mid-epoch exactly and evaluate every sample exactly once across ranks: ``ResumableSampler``,
-``ResumableDataLoader``, and ``make_loader`` that builds them (``user_loaders`` puts them into plain loaders)."""
+"""Loaders that resume mid-epoch exactly and evaluate every sample exactly once across ranks: ``ResumableSampler``
+and ``ResumableDataLoader`` (``user_loaders`` puts them into plain loaders)."""
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import lightning as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import (
     DataLoader,
     Dataset,
@@ -18,8 +16,6 @@ from torch.utils.data import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
-
-from steadfast.elastic import global_batch
 
 
 class ResumableSampler(DistributedSampler):
@@ -122,7 +118,7 @@ class ResumableDataLoader(DataLoader):
     _restore: tuple[int, int] | None = None  # (epoch, batches) from a checkpoint, applied when that epoch starts
     # ``next_batch``'s: whether to record the next batch yielded (a resumed run's first), that record, and the record
     # of the batch after the last save with its (epoch, batches)
-    watch_first_batch = False
+    watch_first_batch: Callable[[Any, Any], torch.Tensor | None] | None = None  # next_batch.observe, once watched
     first_batch: torch.Tensor | None = None
     next_batch: tuple[tuple[int, int], torch.Tensor] | None = None
 
@@ -139,10 +135,8 @@ class ResumableDataLoader(DataLoader):
         else:
             batches = itertools.islice(super().__iter__(), skip, None)
         for batch in batches:
-            if self.watch_first_batch:  # a resume's first: for the start line to compare with the checkpoint's
-                from steadfast.next_batch import observe  # (next_batch reads this class)
-
-                self.first_batch, self.watch_first_batch = observe(self, batch), False
+            if self.watch_first_batch is not None:  # a resume's first: for the start line to compare with the record
+                self.first_batch, self.watch_first_batch = self.watch_first_batch(self, batch), None
             self._yielded += 1
             yield batch
 
@@ -169,56 +163,6 @@ class ResumableDataLoader(DataLoader):
             self.sampler.set_epoch(state["epoch"])  # Lightning sets the epoch it resumes in before iterating
             # the run's seed may be another one now (``seed_everything: true`` draws one per run): keep the order
             self.sampler.seed = state.get("seed", self.sampler.seed)
-
-
-class TensorBatchDataset(Dataset):
-    """In-memory tensors that yield a whole batch by one indexing op instead of collating samples one by one."""
-
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        self.tensors = tensors
-
-    def __len__(self) -> int:
-        return len(self.tensors[0])
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
-        return tuple(t[index] for t in self.tensors)
-
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
-        index = torch.tensor(indices)
-        return tuple(t[index] for t in self.tensors)
-
-
-def _batch_as_is(batch: Any) -> Any:  # module level, so that worker processes can unpickle it
-    return batch
-
-
-def make_loader(
-    dataset: Dataset, trainer: "L.Trainer | None", train: bool, seed: int, collate_fn: Any = None, **kwargs: Any
-) -> DataLoader:
-    """A loader over this rank's share of ``dataset``: shuffled, padded and resumable when ``train``; each sample on
-    exactly one rank when not. A convenience: a plain ``DataLoader`` gets the same from the engine
-    (``steadfast.user_loaders``); this one also batches a ``TensorBatchDataset`` by one indexing op."""
-    if collate_fn is None and isinstance(dataset, TensorBatchDataset):
-        collate_fn = _batch_as_is
-    world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-    size = len(dataset)  # type: ignore[arg-type]
-    if not train:
-        check_eval_share(size, world)
-    # Under sharding every forward gathers each layer's weights from all ranks, so every rank must run as many
-    # evaluation batches as the others: the set is padded like the training set (a few samples count twice).
-    sharded = trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy)
-    batch_size = kwargs.get("batch_size", 1)
-    per_step = global_batch(trainer, batch_size or 1) if train and trainer is not None else None
-    sampler = ResumableSampler(
-        dataset, world, rank, shuffle=train, seed=seed, pad=train or sharded, global_batch=per_step
-    )
-    if train and batch_size is not None:
-        check_train_batch(batch_size, sampler)
-    if train:
-        return ResumableDataLoader(dataset, sampler=sampler, collate_fn=collate_fn, **kwargs)
-    # A generator of its own: creating an eval iterator must not draw from the global RNG that training uses.
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, sampler=sampler, collate_fn=collate_fn, generator=generator, **kwargs)
 
 
 def check_train_batch(batch_size: int, sampler: ResumableSampler) -> None:

@@ -67,7 +67,7 @@ def watch(trainer: L.Trainer) -> None:
     """Has each of the engine's train loaders record the next batch it yields: a resumed run's first."""
     for loader in _train_loaders(trainer):
         if isinstance(loader, ResumableDataLoader):
-            loader.watch_first_batch = True
+            loader.watch_first_batch = observe  # called with the batch: loaders.py does not import this module
 
 
 def observe(loader: ResumableDataLoader, batch: Any) -> torch.Tensor | None:

@@ -7,9 +7,9 @@ dict of tensors (``index`` and one per key) and loads with ``torch.load(path, we
 
 Under DDP each rank saves its share, with its samples' dataset indices, to a shard in the same folder; after a
 barrier rank 0 merges the shards in index order and removes them. The folder must be one that every rank sees (one
-machine, or a shared filesystem). With ``make_loader``'s evaluation loaders each sample goes to exactly one rank,
-so the merged file equals the single-process one; a sample predicted twice (a padded ``DistributedSampler``) is
-written once, with a warning.
+machine, or a shared filesystem). With the engine's evaluation samplers (``user_loaders``) each sample goes to
+exactly one rank, so the merged file equals the single-process one; a sample predicted twice (a padded
+``DistributedSampler``) is written once, with a warning.
 """
 
 import csv
@@ -135,7 +135,7 @@ class PredictionWriter(BasePredictionWriter):
         if not first.all():
             rank_zero_warn(
                 f"{int((~first).sum())} samples were predicted on more than one rank (a padded sampler); each is "
-                "written once. make_loader(train=False) gives every sample to exactly one rank"
+                "written once. The engine's sampler, in a plain DataLoader, gives every sample to exactly one rank"
             )
             merged = {key: value[first] for key, value in merged.items()}
         torch.save(merged, stem.with_suffix(".pt"))

@@ -16,7 +16,7 @@ from steadfast.compat import (
     rescale_batch_progress,
     start_the_epoch_lightning_skipped,
 )
-from steadfast.elastic import Shape, epoch_note, has_batch_norm
+from steadfast.elastic import GlobalBatch, Shape, epoch_note, has_batch_norm
 from steadfast.next_batch import record, verdict, watch
 from steadfast.sharded import ShardedStrategy
 
@@ -45,23 +45,21 @@ class ExactResume(Callback):
     init, the sanity check and the data setup (which all draw or may draw), right before the first batch.
 
     It also saves the run's shape (ranks, per-device batch, accumulation; ``steadfast.elastic``) and the samples
-    of one of its epochs: a resume on another number of ranks keeps the global batch (``elastic.global_batch`` sets
-    ``elastic_note``, ``resized``), rewrites the loop's micro-batch counts here, and ``notes`` says what cannot follow
-    to the start line (an epoch that ``limit_train_batches`` now ends at other samples among them).
+    of one of its epochs: a resume on another number of ranks keeps the global batch (``elastic.GlobalBatch``,
+    which the train loader's builder plans), rewrites the loop's micro-batch counts here, and ``notes`` says what
+    cannot follow to the start line (an epoch that ``limit_train_batches`` now ends at other samples among them).
 
     And a fingerprint of the batch the run trains on next (``steadfast.next_batch``): a resumed run compares its
     first batch with it, and the start line says ``resume verified`` or names the first difference (``verify``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, batches: GlobalBatch | None = None) -> None:
         self._trainer: L.Trainer | None = None
         self._to_restore: list[dict[str, torch.Tensor]] | None = None
-        self.shape: Shape | None = None  # this run's, set where its train loader is built
-        self.saved_shape: Shape | None = None  # the checkpoint's
+        # the run's shape: the CLI gives the train loader's builder the same instance, which plans it
+        self.batches = batches if batches is not None else GlobalBatch()
         self.saved_epoch_samples: int | None = None  # what an epoch of the checkpoint's run trained, over all ranks
         self.saved_world: int | None = None  # ranks whose RNG states the checkpoint holds
-        self.elastic_note: str | None = None
-        self.resized: tuple[int, int] | None = None  # samples of one micro-batch over all ranks: checkpoint's, now
         self._flush_before_next_batch = False
         self._epoch_started: int | None = None
         self._metrics: dict[str, Metric] = {}
@@ -123,10 +121,11 @@ class ExactResume(Callback):
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
         threads = torch.get_num_threads()
-        more: dict[str, Any] = {"shape": self.shape.as_dict()} if self.shape is not None else {}
-        if self.shape is not None and trainer is not None and trainer.num_training_batches < math.inf:
+        shape = self.batches.shape
+        more: dict[str, Any] = {"shape": shape.as_dict()} if shape is not None else {}
+        if shape is not None and trainer is not None and trainer.num_training_batches < math.inf:
             # limit_train_batches counts micro-batches: what an epoch was in samples, for a resume on another shape
-            more["epoch_samples"] = int(_epoch_samples(trainer, self.shape))
+            more["epoch_samples"] = int(_epoch_samples(trainer, shape))
         trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
         if trainer is not None and trainer.state.fn == "fit" and trainer.train_dataloader is not None:
             more["next_batch"] = record(trainer)  # leaves the generators as they were
@@ -153,7 +152,7 @@ class ExactResume(Callback):
         self._to_restore = state_dict["ranks"]
         self._metrics_to_restore = state_dict.get("metrics")  # absent from checkpoints of earlier versions
         self.saved_world = len(state_dict["ranks"])
-        self.saved_shape = Shape(**state_dict["shape"]) if "shape" in state_dict else None
+        self.batches.saved = Shape(**state_dict["shape"]) if "shape" in state_dict else None
         self.saved_epoch_samples = state_dict.get("epoch_samples")
         self._threads_saved = state_dict.get("threads")  # absent from checkpoints written before it was saved
         self._next_batch = state_dict.get("next_batch")  # absent from those written before it was recorded
@@ -189,12 +188,13 @@ class ExactResume(Callback):
                 f"{trainer.world_size}: draws from a rank's generators (dropout, augmentation) differ from the "
                 "original run from here on; randomness seeded per sample from (seed, epoch, index) follows"
             )
-        if self.saved_epoch_samples is not None and self.shape is not None and self.saved_shape != self.shape:
-            samples = _epoch_samples(trainer, self.shape)
-            note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, self.shape)
+        shape, resized = self.batches.shape, self.batches.resized
+        if self.saved_epoch_samples is not None and shape is not None and self.batches.saved != shape:
+            samples = _epoch_samples(trainer, shape)
+            note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, shape)
             out += [note] if note is not None else []
-        if self.resized is not None and self.resized[0] != self.resized[1] and has_batch_norm(pl_module):
-            before, after = self.resized
+        if resized is not None and resized[0] != resized[1] and has_batch_norm(pl_module):
+            before, after = resized
             out.append(
                 f"BatchNorm: its statistics now come from micro-batches of {after} samples over all ranks "
                 f"({before} before), so the run continues close to, not equal to, the original"
@@ -204,8 +204,9 @@ class ExactResume(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.ckpt_path is not None:
             watch(trainer)  # its first batch, for ``verify``
-        if self.resized is not None and self.resized[0] != self.resized[1]:
-            rescale_batch_progress(trainer, *self.resized)
+        resized = self.batches.resized
+        if resized is not None and resized[0] != resized[1]:
+            rescale_batch_progress(trainer, *resized)
         ranks, self._to_restore = self._to_restore, None
         if ranks is None:
             return

@@ -9,84 +9,25 @@ from its ``last.ckpt``. Trial N is sampled with seed ``seed + N`` from the trial
 killed and started again samples what the uninterrupted one would have.
 """
 
+import io
 import json
 import subprocess
 import sys
-from pathlib import Path
-from typing import Any, Literal
+from contextlib import redirect_stderr, redirect_stdout
+from typing import Any
+from unittest import mock
 
 import optuna
 from jsonargparse import ActionConfigFile, ArgumentParser
 
+from steadfast.cli import run_cli
 from steadfast.config import entry
 from steadfast.errors import root_cause
 from steadfast.runs import check_save_dir
 from steadfast.sweep_report import report
-from steadfast.sweep_space import check_space, check_spec, fit_objective
+from steadfast.sweep_space import Sweep, check_space, fit_objective
 from steadfast.sweep_trial import open_storage
 from steadfast.sweep_worker import die_with_parent, sweep_lock, work
-
-
-class Sweep:
-    """A hyper-parameter search: an Optuna study whose trials are ordinary ``fit`` runs.
-
-    Args:
-        name: The sweep's folder under ``root``: the study database, ``trial_N/`` run folders, ``sweep.png``.
-        space: Search space keyed by the CLI's dotted names: ``{type: float|int, low, high, log, step}`` or
-            ``{type: categorical, choices: [...]}`` (numbers, strings, booleans, class paths).
-        trials: Trials in the study, all workers together. Run again with more to extend a finished sweep.
-        monitor: Metric to optimise, as the run logs it; ``None``: the ``fit`` config's ``run.monitor``. A trial's
-            value is its best over the run's validations (the score of its best checkpoint: the trials run with
-            ``--run.monitor`` set to it); the pruner sees it after each epoch.
-        direction: Whether a larger (``maximize``) or smaller ``monitor`` is better; ``None``: from the ``fit``
-            config's ``run.mode`` (``max``: ``maximize``).
-        fit: Arguments every trial's ``fit`` gets, as on the command line, e.g. ``[--trainer.max_epochs, "10"]``.
-        pruner: Optuna pruner, deciding after each epoch's validation; ``null``: every trial runs to its end.
-        seed: Sampler seed; trial N is sampled with ``seed + N``.
-        startup_trials: Random trials before TPE (Optuna's default sampler) takes over.
-        enqueue: Parameter sets tried first (e.g. your current best config), each ``{dotted name: value}``; they
-            count among the ``trials``.
-        root: Folder that holds the sweeps.
-        storage: Optuna storage; ``null``: ``sqlite:///<root>/<name>/study.db``. When workers on several machines
-            share a disk on which SQLite's locks are unreliable (NFS), a ``.journal`` file path, or a database
-            server's URL (``postgresql://...``).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        space: dict[str, dict[str, Any]],
-        trials: int = 20,
-        monitor: str | None = None,
-        direction: Literal["maximize", "minimize"] | None = None,
-        fit: list[str] | None = None,
-        pruner: optuna.pruners.BasePruner | None = None,
-        seed: int = 0,
-        startup_trials: int = 10,
-        enqueue: list[dict[str, Any]] | None = None,
-        root: str = "runs",
-        storage: str | None = None,
-    ) -> None:
-        if not name or "/" in name or name in (".", ".."):
-            raise ValueError(f"name ({name!r}) must be one folder name, without '/'")
-        if trials < 1:
-            raise ValueError(f"trials ({trials}) must be >= 1")
-        if not space:
-            raise ValueError("space is empty: give at least one `dotted.name: {type: ...}`")
-        for key, spec in space.items():
-            check_spec(key, spec)
-        for params in enqueue or []:
-            if unknown := set(params) - set(space):
-                raise ValueError(f"enqueue: {sorted(unknown)} not in the space; enqueue only keys of the space")
-        self.name, self.space, self.trials, self.monitor, self.direction = name, space, trials, monitor, direction
-        self.fit, self.pruner, self.seed, self.startup_trials = list(fit or []), pruner, seed, startup_trials
-        self.enqueue, self.folder = list(enqueue or []), Path(root) / name
-        self.storage = storage or f"sqlite:///{(self.folder / 'study.db').resolve()}"
-        self.pruner_config: dict[str, Any] | None = None  # the pruner as class_path/init_args, for the trials
-
-    def identity(self) -> dict[str, Any]:
-        """What a restart must not change: what the finished trials ran and were judged by."""
-        return {"space": self.space, "fit": self.fit, "monitor": self.monitor, "direction": self.direction}
 
 
 def build_parser() -> ArgumentParser:
@@ -116,13 +57,13 @@ def sweep_main(argv: list[str]) -> None:
             raise ValueError(f"--workers ({config.workers}) must be >= 1")
         check_save_dir(sweep.folder)
         if sweep.monitor is None or sweep.direction is None:  # what the trials' fit monitors
-            monitor, mode = fit_objective(sweep.fit)
+            monitor, mode = fit_objective(fit_cli(sweep.fit))
             if sweep.monitor is None and monitor is None:
                 raise ValueError("monitor: the fit config monitors nothing (run.monitor null); give the sweep one")
             sweep.monitor = sweep.monitor or monitor
             sweep.direction = sweep.direction or ("maximize" if mode == "max" else "minimize")
         if not config.show:
-            check_space(sweep.space, sweep.fit)  # every key and range against the real fit parser
+            check_space(sweep.space, sweep.fit, fit_cli(sweep.fit))  # each key and range against the fit parser
     except ValueError as error:
         parser.error(" ".join(str(root_cause(error)).split()))
     if config.show and not sweep.folder.is_dir():
@@ -173,3 +114,17 @@ def _start_helper(argv: list[str]) -> subprocess.Popen:
     # Another worker on the same study: the same command, one worker; it dies with this process.
     command = [sys.executable, "-m", entry().program, "sweep", *argv, "--workers", "1", "--report", "false"]
     return subprocess.Popen(command, preexec_fn=die_with_parent)
+
+
+def fit_cli(fit: list[str]) -> Any:
+    """``fit FIT`` parsed and its classes built by the real CLI, run=False; ``ValueError`` with its error line."""
+    # Quiet ("Seed set to ...", "GPU available ..." are not the sweep's output), with the sweep's own command line
+    # out of sys.argv, where LightningCLI would warn about it. A refused `fit` list ends in its own error line.
+    output = io.StringIO()
+    try:
+        with mock.patch.object(sys, "argv", sys.argv[:1]), redirect_stdout(output), redirect_stderr(output):
+            cli = run_cli(fit, run=False)
+    except SystemExit:
+        lines = [line for line in output.getvalue().splitlines() if line.startswith("error:")]
+        raise ValueError(f"fit: {lines[-1][7:] if lines else output.getvalue()[-500:]}") from None
+    return cli

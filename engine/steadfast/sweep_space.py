@@ -1,4 +1,5 @@
-"""A sweep's search space: ``{dotted CLI name: spec}``, checked before the first trial, sampled per trial.
+"""A sweep (``Sweep``, its definition) and its search space: ``{dotted CLI name: spec}``, checked before the first
+trial, sampled per trial.
 
 Specs: ``{type: float, low, high, log: false, step: null}``, ``{type: int, low, high, log: false, step: 1}``,
 ``{type: categorical, choices: [...]}`` (numbers, strings, booleans; a class path such as ``my_lab.nets.ResNet`` is a
@@ -9,10 +10,9 @@ and the constructors it reaches run, so a misspelt key, a wrong type or a value 
 
 import argparse
 import io
-import sys
-from contextlib import redirect_stderr, redirect_stdout
-from typing import Any
-from unittest import mock
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any, Literal
 
 import optuna
 
@@ -63,18 +63,17 @@ def candidates(spec: dict[str, Any]) -> list[Any]:
     return list(spec["choices"]) if spec["type"] == "categorical" else [spec["low"], spec["high"]]
 
 
-def fit_objective(fit: list[str]) -> tuple[str | None, str]:
-    """The monitor and mode of ``fit FIT``, as the trials' own runs read them: their first ``ModelCheckpoint`` with
-    a monitor (``run.monitor``'s, or the config's own), else ``(None, run.mode)``."""
-    cli = _fit_cli(fit)
+def fit_objective(cli: Any) -> tuple[str | None, str]:
+    """The monitor and mode of a trial's fit (``cli``: its LightningCLI, built, not run), as the trials' own runs
+    read them: their first ``ModelCheckpoint`` with a monitor (``run.monitor``'s, or the config's own), else
+    ``(None, run.mode)``."""
     checkpoint = next((c for c in cli.trainer.checkpoint_callbacks if getattr(c, "monitor", None)), None)
     return (checkpoint.monitor, checkpoint.mode) if checkpoint is not None else (None, cli.config["run"].mode)
 
 
-def check_space(space: dict[str, dict[str, Any]], fit: list[str]) -> None:
-    """Parses ``fit FIT --KEY=VALUE`` with the CLI's own parser for each end of each range and builds the model and
-    data; raises ``ValueError`` naming the key and value that fail, and why."""
-    cli = _fit_cli(fit)
+def check_space(space: dict[str, dict[str, Any]], fit: list[str], cli: Any) -> None:
+    """Parses ``fit FIT --KEY=VALUE`` with the parser of ``cli`` (the trials' LightningCLI) for each end of each range
+    and builds the model and data; raises ``ValueError`` naming the key and value that fail, and why."""
     parser = cli.parser
     parser.exit_on_error = False  # argparse's switch: raise instead of printing usage and exiting
     for key, spec in space.items():
@@ -87,17 +86,63 @@ def check_space(space: dict[str, dict[str, Any]], fit: list[str]) -> None:
                 raise ValueError(f"space: {key} = {value!r} is refused by fit: {message}") from None
 
 
-def _fit_cli(fit: list[str]) -> Any:
-    """``fit FIT`` parsed and its classes built by the real CLI, run=False; ``ValueError`` with its error line."""
-    from steadfast.cli import cli_main
+class Sweep:
+    """A hyper-parameter search: an Optuna study whose trials are ordinary ``fit`` runs.
 
-    # Quiet ("Seed set to ...", "GPU available ..." are not the sweep's output), with the sweep's own command line
-    # out of sys.argv, where LightningCLI would warn about it. A refused `fit` list ends in its own error line.
-    output = io.StringIO()
-    try:
-        with mock.patch.object(sys, "argv", sys.argv[:1]), redirect_stdout(output), redirect_stderr(output):
-            cli = cli_main(fit, run=False)
-    except SystemExit:
-        lines = [line for line in output.getvalue().splitlines() if line.startswith("error:")]
-        raise ValueError(f"fit: {lines[-1][7:] if lines else output.getvalue()[-500:]}") from None
-    return cli
+    Args:
+        name: The sweep's folder under ``root``: the study database, ``trial_N/`` run folders, ``sweep.png``.
+        space: Search space keyed by the CLI's dotted names: ``{type: float|int, low, high, log, step}`` or
+            ``{type: categorical, choices: [...]}`` (numbers, strings, booleans, class paths).
+        trials: Trials in the study, all workers together. Run again with more to extend a finished sweep.
+        monitor: Metric to optimise, as the run logs it; ``None``: the ``fit`` config's ``run.monitor``. A trial's
+            value is its best over the run's validations (the score of its best checkpoint: the trials run with
+            ``--run.monitor`` set to it); the pruner sees it after each epoch.
+        direction: Whether a larger (``maximize``) or smaller ``monitor`` is better; ``None``: from the ``fit``
+            config's ``run.mode`` (``max``: ``maximize``).
+        fit: Arguments every trial's ``fit`` gets, as on the command line, e.g. ``[--trainer.max_epochs, "10"]``.
+        pruner: Optuna pruner, deciding after each epoch's validation; ``null``: every trial runs to its end.
+        seed: Sampler seed; trial N is sampled with ``seed + N``.
+        startup_trials: Random trials before TPE (Optuna's default sampler) takes over.
+        enqueue: Parameter sets tried first (e.g. your current best config), each ``{dotted name: value}``; they
+            count among the ``trials``.
+        root: Folder that holds the sweeps.
+        storage: Optuna storage; ``null``: ``sqlite:///<root>/<name>/study.db``. When workers on several machines
+            share a disk on which SQLite's locks are unreliable (NFS), a ``.journal`` file path, or a database
+            server's URL (``postgresql://...``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        space: dict[str, dict[str, Any]],
+        trials: int = 20,
+        monitor: str | None = None,
+        direction: Literal["maximize", "minimize"] | None = None,
+        fit: list[str] | None = None,
+        pruner: optuna.pruners.BasePruner | None = None,
+        seed: int = 0,
+        startup_trials: int = 10,
+        enqueue: list[dict[str, Any]] | None = None,
+        root: str = "runs",
+        storage: str | None = None,
+    ) -> None:
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"name ({name!r}) must be one folder name, without '/'")
+        if trials < 1:
+            raise ValueError(f"trials ({trials}) must be >= 1")
+        if not space:
+            raise ValueError("space is empty: give at least one `dotted.name: {type: ...}`")
+        for key, spec in space.items():
+            check_spec(key, spec)
+        for params in enqueue or []:
+            if unknown := set(params) - set(space):
+                raise ValueError(f"enqueue: {sorted(unknown)} not in the space; enqueue only keys of the space")
+        self.name, self.space, self.trials, self.monitor, self.direction = name, space, trials, monitor, direction
+        self.fit, self.pruner, self.seed, self.startup_trials = list(fit or []), pruner, seed, startup_trials
+        self.enqueue, self.folder = list(enqueue or []), Path(root) / name
+        self.storage = storage or f"sqlite:///{(self.folder / 'study.db').resolve()}"
+        self.pruner_config: dict[str, Any] | None = None  # the pruner as class_path/init_args, for the trials
+
+    def identity(self) -> dict[str, Any]:
+        """What a restart must not change: what the finished trials ran and were judged by."""
+        return {"space": self.space, "fit": self.fit, "monitor": self.monitor, "direction": self.direction}

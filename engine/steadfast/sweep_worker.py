@@ -14,16 +14,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optuna
 
 from steadfast.config import entry
-from steadfast.sweep_space import suggest
+from steadfast.sweep_space import Sweep, suggest
 from steadfast.sweep_trial import ReportToStudy, open_storage, trial_id
-
-if TYPE_CHECKING:
-    from steadfast.sweep import Sweep
 
 RESUMABLE = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # the trial saved last.ckpt and stopped: resume it
 

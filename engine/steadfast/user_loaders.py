@@ -23,7 +23,7 @@ from torch.utils.data import (
 )
 
 from steadfast.compat import loader_with_sampler, uses_distributed_sampler
-from steadfast.elastic import global_batch
+from steadfast.elastic import GlobalBatch
 from steadfast.loaders import ResumableDataLoader, ResumableSampler, check_eval_share, check_train_batch
 from steadfast.sample_seeds import can_seed, worker_init
 from steadfast.stream_resume import StreamResume
@@ -50,9 +50,12 @@ class UserLoaders(Callback):
     wrapped on the instances in ``setup`` and restored in ``teardown``.
     """
 
-    def __init__(self, seed_per_sample: bool = True, streams: StreamResume | None = None) -> None:
+    def __init__(
+        self, seed_per_sample: bool = True, streams: StreamResume | None = None, batches: GlobalBatch | None = None
+    ) -> None:
         self.seed_per_sample = seed_per_sample  # run.seed_per_sample (steadfast.sample_seeds)
         self.streams = streams  # keeps the train streams' positions (steadfast.stream_resume)
+        self.batches = batches if batches is not None else GlobalBatch()  # the run's shape, which ExactResume saves
         self.notes: dict[str, list[str]] = {}
         self._wrapped: list[tuple[Any, str]] = []
 
@@ -83,7 +86,7 @@ class UserLoaders(Callback):
         return with_engine_samplers
 
     def _engine_loader(self, loader: Any, trainer: L.Trainer, split: str) -> tuple[Any, str | None]:
-        rebuilt, note = engine_loader(loader, trainer, split, self.seed_per_sample, self.streams)
+        rebuilt, note = engine_loader(loader, trainer, split, self.seed_per_sample, self.streams, self.batches)
         sampler = getattr(rebuilt, "sampler", None)
         if isinstance(sampler, ResumableSampler) and sampler.epoch_in_keys:
             # each worker seeds its own copy of the dataset as it starts, then runs the user's worker_init_fn
@@ -97,11 +100,17 @@ class UserLoaders(Callback):
 
 
 def engine_loader(
-    loader: Any, trainer: L.Trainer, split: str, seeded: bool = False, streams: StreamResume | None = None
+    loader: Any,
+    trainer: L.Trainer,
+    split: str,
+    seeded: bool = False,
+    streams: StreamResume | None = None,
+    batches: GlobalBatch | None = None,
 ) -> tuple[Any, str | None]:
     """``loader`` with the engine's sampler, or ``loader`` itself; and the guarantee it gives up (``None``: none).
     ``seeded``: a train loader's sampler hands out the keys of a dataset seeded per sample (``sample_seeds``);
-    ``streams``: what resumes a train loader over an ``IterableDataset`` where it stopped (``stream_resume``)."""
+    ``streams``: what resumes a train loader over an ``IterableDataset`` where it stopped (``stream_resume``);
+    ``batches``: the run's global batch, planned here for a train loader (``elastic.GlobalBatch``)."""
     if not isinstance(loader, DataLoader) or saves_its_state(loader):
         return loader, None  # not a DataLoader (Lightning takes it as it is), or one that saves its own state
     ranks = trainer.distributed_sampler_kwargs or {}  # the data-parallel ranks (under sharding, not every rank)
@@ -128,7 +137,8 @@ def engine_loader(
         check_eval_share(len(loader.dataset), world)  # type: ignore[arg-type]
     source = None if isinstance(sampler, (SequentialSampler, DistributedSampler)) else sampler
     # the samples of one optimizer step over all ranks: the padding's unit, kept on a resume on other ranks
-    per_step = global_batch(trainer, loader.batch_size or 1) if train and split_by_lightning else None
+    batches = batches if batches is not None else GlobalBatch()
+    per_step = batches.plan(trainer, loader.batch_size or 1) if train and split_by_lightning else None
     resumable = ResumableSampler(
         loader.dataset,
         world,

@@ -56,8 +56,8 @@ BASE_CONFIG = REPO / "configs" / "default.yaml"  # what `python -m project` read
 
 
 def cli_main(args=None, run: bool = True, base_config=BASE_CONFIG, program: str = "project"):
-    """``steadfast.cli.cli_main`` as ``python -m project`` calls it (the engine tests run the template's entry)."""
-    from steadfast.cli import cli_main as engine_cli_main
+    """``steadfast.cli_main`` as ``python -m project`` calls it (the engine tests run the template's entry)."""
+    from steadfast.main import cli_main as engine_cli_main
 
     return engine_cli_main(args, run=run, base_config=base_config, program=program)
 

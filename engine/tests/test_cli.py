@@ -111,7 +111,8 @@ def test_out_of_range_values_fail_before_training_with_one_clear_line(workdir, f
 
 
 def test_only_the_given_subcommand_is_built_yet_help_and_typos_list_all_four(capsys):
-    from steadfast.cli import CLI, SUBCOMMANDS, cli_main
+    from steadfast.cli import CLI, SUBCOMMANDS
+    from steadfast.main import cli_main
 
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["--help"])

@@ -1,18 +1,17 @@
 """The samplers and loaders that make DDP evaluation exact and resumes land on the same batch (steadfast.loaders).
 The example's DataModule: tests/test_data.py."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
-from steadfast.loaders import ResumableDataLoader, ResumableSampler, TensorBatchDataset, make_loader
+from steadfast.loaders import ResumableDataLoader, ResumableSampler, check_eval_share
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("n", [13, 17, 24])
 def test_eval_sampler_gives_every_index_to_exactly_one_rank(world, n):
-    data = TensorBatchDataset(torch.arange(n))
+    data = TensorDataset(torch.arange(n))
     seen = [i for r in range(world) for i in ResumableSampler(data, world, r, shuffle=False, seed=0, pad=False)]
     assert sorted(seen) == list(range(n))
     assert sum(len(ResumableSampler(data, world, r, False, 0, False)) for r in range(world)) == n
@@ -20,7 +19,7 @@ def test_eval_sampler_gives_every_index_to_exactly_one_rank(world, n):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_train_sampler_pads_to_equal_lengths_and_shuffles_per_epoch(world):
-    data = TensorBatchDataset(torch.arange(17))
+    data = TensorDataset(torch.arange(17))
     samplers = [ResumableSampler(data, world, r, shuffle=True, seed=5, pad=True) for r in range(world)]
     lists = [list(s) for s in samplers]
     assert len({len(x) for x in lists}) == 1 and set().union(*map(set, lists)) == set(range(17))
@@ -33,7 +32,7 @@ def test_train_sampler_pads_to_equal_lengths_and_shuffles_per_epoch(world):
 
 
 def test_loader_state_resumes_on_the_next_batch():
-    data = TensorBatchDataset(torch.arange(50), torch.arange(50))
+    data = TensorDataset(torch.arange(50), torch.arange(50))
 
     def loader():
         return ResumableDataLoader(data, sampler=ResumableSampler(data, 1, 0, True, 1, True), batch_size=8)
@@ -67,7 +66,7 @@ def test_a_loader_with_another_sampler_resumes_by_dropping_the_consumed_batches(
     """overfit_batches: Lightning rebuilds the train loader with a SequentialSampler; it still iterates and resumes."""
     from torch.utils.data import SequentialSampler
 
-    data = TensorBatchDataset(torch.arange(20), torch.arange(20))
+    data = TensorDataset(torch.arange(20), torch.arange(20))
     loader = ResumableDataLoader(data, sampler=SequentialSampler(data), batch_size=4)
     expected = [x.tolist() for x, _ in loader]
     assert expected == [list(range(i, i + 4)) for i in range(0, 20, 4)]
@@ -78,11 +77,8 @@ def test_a_loader_with_another_sampler_resumes_by_dropping_the_consumed_batches(
 
 def test_an_eval_set_smaller_than_the_ranks_is_refused_alike_on_every_rank():
     # Lightning would stop the rank without a batch alone (a traceback) and the others would fail in a collective.
-    def loader(n: int, world: int, rank: int):
-        trainer = SimpleNamespace(world_size=world, global_rank=rank, lightning_module=None, strategy=None)
-        return make_loader(TensorBatchDataset(torch.zeros(n, 1), torch.zeros(n)), trainer, train=False, seed=0)
-
-    for rank in range(3):
-        with pytest.raises(ValueError, match=r"has 2 sample\(s\), fewer than the 3 ranks.*on 2 device"):
-            loader(2, 3, rank)
-        assert len(loader(3, 3, rank)) == 1  # as many samples as ranks: one each
+    with pytest.raises(ValueError, match=r"has 2 sample\(s\), fewer than the 3 ranks.*on 2 device"):
+        check_eval_share(2, 3)
+    check_eval_share(3, 3)  # as many samples as ranks: one each
+    data = TensorDataset(torch.zeros(3, 1))
+    assert [len(ResumableSampler(data, 3, rank, False, 0, False)) for rank in range(3)] == [1, 1, 1]
