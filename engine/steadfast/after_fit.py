@@ -8,7 +8,7 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info
 
 
-def test_best(trainer: L.Trainer, model: L.LightningModule, datamodule: Any) -> None:
+def test_best(trainer: L.Trainer, model: L.LightningModule, datamodule: Any, judge: ModelCheckpoint | None) -> None:
     """Runs ``trainer.test`` on the best checkpoint of the ``fit`` that just finished, on every rank.
 
     The same Trainer, so ``test/*`` goes to the same loggers, run folder and version, at the run's last step. The
@@ -20,7 +20,7 @@ def test_best(trainer: L.Trainer, model: L.LightningModule, datamodule: Any) -> 
     if trainer.state.status != TrainerStatus.FINISHED:
         rank_zero_info(f"Test after fit: skipped, fit ended {trainer.state.status.value}.")
         return
-    monitored = next((c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.monitor), None)
+    monitored = judge
     ckpt_path = None
     if trainer.fast_dev_run:
         why = "fast_dev_run keeps no checkpoint: the weights fit ended with"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from steadfast.checkpoint_files import CheckpointLoadError, load_checkpoint_file
 from steadfast.compat import state_key_arguments
+from steadfast.resume import ExactResume
 from steadfast.sharded import is_sharded_checkpoint, read_meta
 
 
@@ -37,12 +38,20 @@ def scored_checkpoint(path: Path) -> Scored | None:
         checkpoint = read_meta(path) if path.is_dir() else load_checkpoint_file(path, mmap=True)
     except CheckpointLoadError:
         return None
-    for key, state in (checkpoint.get("callbacks") or {}).items():
+    states = checkpoint.get("callbacks") or {}
+    # the engine's record names the run's judge and its mode; a file plain Lightning (or engine 1.0.0)
+    # wrote has none, and its ModelCheckpoint's mode is only in its state key
+    record = states.get(ExactResume.__qualname__)
+    judge = record.get("judge") if isinstance(record, dict) else None
+    for key, state in states.items():
         if not isinstance(state, dict) or not state.get("monitor") or "best_k_models" not in state:
             continue
         scores = {Path(str(saved)).name: score for saved, score in (state["best_k_models"] or {}).items()}
         if path.name in scores:
-            mode = state_key_arguments(key).get("mode", "min")
+            if judge is not None and judge.get("state_key") == key:
+                mode = judge["mode"]
+            else:
+                mode = state_key_arguments(key).get("mode", "min")
             return Scored(path, state["monitor"], mode, float(scores[path.name]), path.stat().st_mtime)
     return None
 

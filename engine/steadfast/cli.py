@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ProgressBar,
+    TQDMProgressBar,
+)
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -25,7 +31,7 @@ from steadfast.guarantees import Guarantees
 from steadfast.guards import StopOnNonFinite
 from steadfast.hang_watchdog import HangWatchdog
 from steadfast.loggers import let_appended_loggers_parse
-from steadfast.monitor import CheckMonitored, run_monitor_callbacks
+from steadfast.monitor import CheckMonitored, judge_of, run_monitor_callbacks
 from steadfast.one_file_per_point import OneFilePerPoint
 from steadfast.predictions import PredictionWriter
 from steadfast.profiler import NoProfiler
@@ -51,6 +57,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
     run_folder: RunFolder | None = None
     folder_before: FolderBefore | None = None  # a continued run's folder as found, for a failed start to restore
     unknown_loggers: list[str] = []
+    judge: ModelCheckpoint | None = None  # the run's checkpoint with a monitor (steadfast.monitor.judge_of)
 
     def __init__(self, *args: Any, only: str | None = None, **kwargs: Any) -> None:
         self.only = only
@@ -120,7 +127,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
 
     def after_fit(self) -> None:  # LightningCLI calls it once fit has returned: not after a preemption or a crash
         if self.config["fit"]["run"]["test_after_fit"]:
-            test_best(self.trainer, self.model, self.datamodule)
+            test_best(self.trainer, self.model, self.datamodule, self.judge)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = {**cli_section(self, self.config_init, "trainer"), **kwargs}
@@ -165,6 +172,15 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         if config.get("logger") in (False, []) and any(isinstance(c, LearningRateMonitor) for c in callbacks):
             # it refuses a Trainer without a logger; `--trainer.logger false` should not need a second flag
             callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+        # What judges the run, found once and handed to what reads its best (a callback with a `judge`: the summary,
+        # a sweep's trial), to the resume record (which names it in each checkpoint) and to after_fit / the sweep
+        self.judge = judge_of(callbacks)
+        resume.judge = self.judge
+        for callback in callbacks:
+            if hasattr(callback, "judge"):
+                callback.judge = self.judge
+        for check in checks:
+            check.watchers = [c for c in callbacks if isinstance(c, ModelCheckpoint | EarlyStopping) and c.monitor]
         # a dead rank, or a hung one (run.hang_timeout), ends the run in one line; before DestroyProcessGroup
         failures = RankFailures()
         kwargs["callbacks"] = [

@@ -63,6 +63,13 @@ def run_monitor_callbacks(runs: Any, given: list[Callback], base_monitor: str | 
     )
 
 
+def judge_of(callbacks: list[Callback]) -> ModelCheckpoint | None:
+    """The checkpoint that judges the run, among the callbacks the CLI built (``run.monitor``'s first, else the
+    config's first with a monitor; none with checkpointing off). The CLI finds it once and hands it to what reads
+    the run's best: the summary, test after fit, a sweep's objective and trial, the resume record."""
+    return next((c for c in callbacks if isinstance(c, ModelCheckpoint) and c.monitor), None)
+
+
 def _monitors(callbacks: list[Any]) -> set[str]:
     return {c.monitor for c in callbacks}
 
@@ -76,11 +83,13 @@ class CheckMonitored(Callback):
     not at the sanity check's; a module without ``validation_step`` at the end of its first training epoch; a fit whose
     validation is switched off (``limit_val_batches 0``, a debug run) is not checked: Lightning only warns then, as
     a validation metric cannot be there.
-    ``from_run``: the callbacks the engine built from ``run.monitor`` (the others came with ``trainer.callbacks``).
+    ``from_run``: the callbacks the engine built from ``run.monitor`` (the others came with ``trainer.callbacks``);
+    ``watchers``: every ``ModelCheckpoint`` and ``EarlyStopping`` with a monitor of the run (the CLI's final list).
     """
 
-    def __init__(self, from_run: list[Callback]) -> None:
+    def __init__(self, from_run: list[Callback], watchers: list[Callback] | None = None) -> None:
         self.from_run = from_run
+        self.watchers = list(watchers or [])
         self.checked = False
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -95,7 +104,7 @@ class CheckMonitored(Callback):
     def _check(self, trainer: L.Trainer) -> None:
         if self.checked:
             return
-        watchers = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint | EarlyStopping) and c.monitor]
+        watchers = self.watchers
         if trainer.sanity_checking:
             # no training step has logged yet: a training metric (train_loss, train/acc) is checked at the first
             # validation after training instead, every other key now, before any training

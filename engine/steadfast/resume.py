@@ -8,7 +8,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torchmetrics import Metric
 
 from steadfast.compat import (
@@ -58,6 +58,7 @@ class ExactResume(Callback):
         self._to_restore: list[dict[str, torch.Tensor]] | None = None
         # the run's shape: the CLI gives the train loader's builder the same instance, which plans it
         self.batches = batches if batches is not None else GlobalBatch()
+        self.judge: ModelCheckpoint | None = None  # the run's checkpoint with a monitor: named in each checkpoint
         self.saved_epoch_samples: int | None = None  # what an epoch of the checkpoint's run trained, over all ranks
         self.saved_world: int | None = None  # ranks whose RNG states the checkpoint holds
         self._flush_before_next_batch = False
@@ -126,6 +127,8 @@ class ExactResume(Callback):
         if shape is not None and trainer is not None and trainer.num_training_batches < math.inf:
             # limit_train_batches counts micro-batches: what an epoch was in samples, for a resume on another shape
             more["epoch_samples"] = int(_epoch_samples(trainer, shape))
+        if self.judge is not None:  # what ranks the run's files (steadfast.best), not parsed back from a state key
+            more["judge"] = {"monitor": self.judge.monitor, "mode": self.judge.mode, "state_key": self.judge.state_key}
         trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
         if trainer is not None and trainer.state.fn == "fit" and trainer.train_dataloader is not None:
             more["next_batch"] = record(trainer)  # leaves the generators as they were

@@ -14,24 +14,25 @@ class RunSummary(L.Callback):
     ``Run summary: best <run.monitor> 0.9630 | best checkpoint runs/<name>/version_0/checkpoints/best-....ckpt |
     run folder runs/<name>/version_0``.
 
-    The score and path come from the first ``ModelCheckpoint`` with a ``monitor``, so they are the ones that
-    callback kept (restored with it on resume). Every logger also gets the score as ``best/<monitor>`` at the last
-    step: a tag of its own keeps the monitored curve free of an extra point, and it is what a run table sorts by
-    (MLflow's and W&B's run lists show a metric's last value; a CSV's last row has it). A ``TensorBoardLogger`` gets
-    it with the run's hyperparameters: TensorBoard's HParams view lists only runs whose hyperparameters came with a
-    metric, and Lightning's own call passes none under ``default_hp_metric: false``. Nothing is printed or logged
-    when ``fit`` is interrupted.
+    The score and path come from ``judge``, the ``ModelCheckpoint`` that judges the run (``monitor.judge_of``; the
+    CLI hands it over), so they are the ones that callback kept (restored with it on resume). Every logger also gets
+    the score as ``best/<monitor>`` at the last step: a tag of its own keeps the monitored curve free of an extra
+    point, and it is what a run table sorts by (MLflow's and W&B's run lists show a metric's last value; a CSV's
+    last row has it). A ``TensorBoardLogger`` gets it with the run's hyperparameters: TensorBoard's HParams view
+    lists only runs whose hyperparameters came with a metric, and Lightning's own call passes none under
+    ``default_hp_metric: false``. Nothing is printed or logged when ``fit`` is interrupted.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, judge: ModelCheckpoint | None = None) -> None:
+        self.judge = judge
         self.line: str | None = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Here rather than in on_fit_end: loggers are still open, and the broadcast (every rank calls it) still
         # has its process group.
         run_dir = trainer.strategy.broadcast(trainer.default_root_dir)  # the run folder (steadfast.runs)
-        checkpoint = next((cb for cb in trainer.checkpoint_callbacks if getattr(cb, "monitor", None)), None)
-        if not isinstance(checkpoint, ModelCheckpoint):
+        checkpoint = self.judge
+        if checkpoint is None:
             self.line = f"Run summary: no ModelCheckpoint monitors a metric | run folder {run_dir}"
             return
         score = checkpoint.best_model_score

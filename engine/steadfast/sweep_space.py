@@ -65,9 +65,8 @@ def candidates(spec: dict[str, Any]) -> list[Any]:
 
 def fit_objective(cli: Any) -> tuple[str | None, str]:
     """The monitor and mode of a trial's fit (``cli``: its LightningCLI, built, not run), as the trials' own runs
-    read them: their first ``ModelCheckpoint`` with a monitor (``run.monitor``'s, or the config's own), else
-    ``(None, run.mode)``."""
-    checkpoint = next((c for c in cli.trainer.checkpoint_callbacks if getattr(c, "monitor", None)), None)
+    read them: the checkpoint that judges them (``run.monitor``'s, or the config's own), else ``(None, run.mode)``."""
+    checkpoint = cli.judge
     return (checkpoint.monitor, checkpoint.mode) if checkpoint is not None else (None, cli.config["run"].mode)
 
 

@@ -51,6 +51,7 @@ class ReportToStudy(L.Callback):
         self, storage: str, study: str, trial: int, monitor: str, pruner: optuna.pruners.BasePruner | None = None
     ) -> None:
         self.storage, self.study, self.number, self.monitor, self.pruner = storage, study, trial, monitor, pruner
+        self.judge: ModelCheckpoint | None = None  # the run's (the CLI hands it over): its best file is the trial's
         self._trial: optuna.Trial | None = None
 
     def _open(self) -> optuna.Trial:
@@ -103,6 +104,6 @@ class ReportToStudy(L.Callback):
             trainer.should_stop = True  # every rank, at this validation: Lightning stops after this epoch
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        checkpoint = next((cb for cb in trainer.checkpoint_callbacks if getattr(cb, "monitor", None)), None)
-        if trainer.is_global_zero and isinstance(checkpoint, ModelCheckpoint) and checkpoint.best_model_path:
+        checkpoint = self.judge
+        if trainer.is_global_zero and checkpoint is not None and checkpoint.best_model_path:
             self._open().set_user_attr("checkpoint", checkpoint.best_model_path)
