@@ -31,7 +31,7 @@ from steadfast.guarantees import Guarantees
 from steadfast.guards import StopOnNonFinite
 from steadfast.hang_watchdog import HangWatchdog
 from steadfast.loggers import let_appended_loggers_parse
-from steadfast.monitor import CheckMonitored, judge_of, run_monitor_callbacks
+from steadfast.monitor import CheckMonitored, ReadsJudge, judge_of, run_monitor_callbacks
 from steadfast.one_file_per_point import OneFilePerPoint
 from steadfast.predictions import PredictionWriter
 from steadfast.profiler import NoProfiler
@@ -172,12 +172,12 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         if config.get("logger") in (False, []) and any(isinstance(c, LearningRateMonitor) for c in callbacks):
             # it refuses a Trainer without a logger; `--trainer.logger false` should not need a second flag
             callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-        # What judges the run, found once and handed to what reads its best (a callback with a `judge`: the summary,
-        # a sweep's trial), to the resume record (which names it in each checkpoint) and to after_fit / the sweep
+        # What judges the run, found once and handed to what reads its best (the summary, a sweep's trial), to the
+        # resume record (which names it in each checkpoint) and to after_fit / the sweep
         self.judge = judge_of(callbacks)
         resume.judge = self.judge
         for callback in callbacks:
-            if hasattr(callback, "judge"):
+            if isinstance(callback, ReadsJudge):
                 callback.judge = self.judge
         for check in checks:
             check.watchers = [c for c in callbacks if isinstance(c, ModelCheckpoint | EarlyStopping) and c.monitor]

@@ -63,6 +63,13 @@ def run_monitor_callbacks(runs: Any, given: list[Callback], base_monitor: str | 
     )
 
 
+class ReadsJudge:
+    """A part of the engine that reads the run's best: the CLI sets ``judge`` on it (``judge_of``), and on no
+    callback of the user's, whatever attributes theirs have."""
+
+    judge: ModelCheckpoint | None = None
+
+
 def judge_of(callbacks: list[Callback]) -> ModelCheckpoint | None:
     """The checkpoint that judges the run, among the callbacks the CLI built (``run.monitor``'s first, else the
     config's first with a monitor; none with checkpointing off). The CLI finds it once and hands it to what reads

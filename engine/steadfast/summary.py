@@ -7,9 +7,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from steadfast.compat import CLI_HPARAM_KEYS
+from steadfast.monitor import ReadsJudge
 
 
-class RunSummary(L.Callback):
+class RunSummary(ReadsJudge, L.Callback):
     """At the end of ``fit``, rank 0 prints one line, e.g.
     ``Run summary: best <run.monitor> 0.9630 | best checkpoint runs/<name>/version_0/checkpoints/best-....ckpt |
     run folder runs/<name>/version_0``.

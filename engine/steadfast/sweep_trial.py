@@ -11,6 +11,8 @@ import optuna
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from steadfast.monitor import ReadsJudge
+
 TRIAL_RECORD = "trial.json"
 
 
@@ -30,7 +32,7 @@ def trial_id(storage: optuna.storages.BaseStorage, study_name: str, number: int)
     return storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study_name), number)
 
 
-class ReportToStudy(L.Callback):
+class ReportToStudy(ReadsJudge, L.Callback):
     """Reports ``monitor`` after each validation (after each training epoch, for a module without
     ``validation_step``) as the trial's intermediate value at the epoch, and prunes.
 
