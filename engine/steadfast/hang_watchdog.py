@@ -17,7 +17,11 @@ others from) reads every rank's heartbeat once a second. When no rank has progre
 
 - a rank whose watchdog stopped too: its whole process does not run (SIGSTOP, a debugger, a call that never lets go
   of Python's lock);
-- else the rank whose progress stopped first: the others went on to their next collective and wait there for it.
+- else the rank that stopped furthest back: the others went on to their next collective and wait there for it. In
+  training every rank runs the same batches, so that is the rank whose last beat is the earliest point of the loop
+  (its batch, then before the batch, its backward, after it), not merely the earliest in time: a busy machine can
+  delay the stuck rank's last beat past a peer's that already waits in the next backward. Elsewhere (validation
+  shares may differ between ranks) it is the rank whose progress stopped first.
 
 Rank 0's own watchdog reports rank 0 when its main thread is the one stuck; the other ranks watch rank 0's heartbeat
 and the lowest of them reports when rank 0's whole process is stopped. A watchdog that finds it did not run itself
@@ -50,9 +54,11 @@ from steadfast.rank_failures import launched_by_lightning
 WHAT = ("starting", "training", "validating", "saving a checkpoint", "testing", "predicting")
 TRAINING, VALIDATING, SAVING, TESTING, PREDICTING = range(1, 6)
 # One heartbeat: the time its watchdog last ran, the time of its last progress (time.monotonic(): one clock for
-# every process of a machine), the global step and what it was doing then, its process and its global rank.
-CELL = struct.Struct("<ddqqqq")
-ALIVE, BEAT = struct.Struct("<d"), struct.Struct("<dqq")  # at offsets 0 and 8
+# every process of a machine), the global step and what it was doing then, where in the training loop it was
+# (3 x training batches begun + 0, 1, 2 for a batch's start, backward, end; -1 outside training), its process and
+# its global rank.
+CELL = struct.Struct("<ddqqqqq")
+ALIVE, BEAT = struct.Struct("<d"), struct.Struct("<dqqq")  # at offsets 0 and 8
 FROZEN_S = 5.0  # a watchdog that has not run for this long: its process does not run
 TICK_S, CHECK_S = 0.2, 1.0
 PREFIX = "project-heartbeat"
@@ -64,6 +70,7 @@ class Beat:
     progress: float
     step: int
     what: int
+    point: int
     pid: int
     rank: int
 
@@ -88,13 +95,13 @@ class Heartbeat:
         self.path = path
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         with open(tmp, "w+b") as f:  # whole before it has its name: a reader sees all of it or none
-            f.write(CELL.pack(time.monotonic(), 0.0, 0, 0, os.getpid(), rank))
+            f.write(CELL.pack(time.monotonic(), 0.0, 0, 0, -1, os.getpid(), rank))
             f.flush()
             self._cell = mmap.mmap(f.fileno(), CELL.size)
         os.replace(tmp, path)
 
-    def beat(self, step: int, what: int) -> None:
-        BEAT.pack_into(self._cell, 8, time.monotonic(), step, what)
+    def beat(self, step: int, what: int, point: int = -1) -> None:
+        BEAT.pack_into(self._cell, 8, time.monotonic(), step, what, point)
 
     def alive(self) -> None:
         ALIVE.pack_into(self._cell, 0, time.monotonic())
@@ -122,7 +129,12 @@ def stalled(beats: dict[int, Beat | None], now: float, since: float, timeout: fl
     if now - max(last.values()) < timeout:
         return -1, 0.0, set()
     frozen = {i for i in beats if i not in live or now - live[i].alive > frozen_after}
-    culprit = min(frozen) if frozen else min(last, key=lambda i: (last[i], i))
+    if frozen:
+        culprit = min(frozen)
+    elif all(b.what == TRAINING and b.point >= 0 and b.progress >= since for b in live.values()):
+        culprit = min(live, key=lambda i: (live[i].point, last[i], i))  # the one furthest back in the loop
+    else:
+        culprit = min(last, key=lambda i: (last[i], i))
     return culprit, now - last[culprit], frozen
 
 
@@ -181,20 +193,22 @@ class HangWatchdog(Callback):
             self.heart = None
 
     # Progress: a few hooks of every loop, each a store into the heartbeat
-    def _beat(self, trainer: L.Trainer, what: int, ended: bool = False) -> None:
+    def _beat(self, trainer: L.Trainer, what: int, ended: bool = False, phase: int = -1) -> None:
         if self.heart is not None:
-            self.heart.beat(trainer.global_step, what)
+            # batches begun in this fit (Lightning counts it before on_train_batch_start), the same on every rank
+            point = 3 * trainer.fit_loop.epoch_loop.batch_progress.total.ready + phase if phase >= 0 else -1
+            self.heart.beat(trainer.global_step, what, point)
             if ended and not self.armed and (what == TRAINING or trainer.state.fn != "fit"):
                 self._since, self.armed = time.monotonic(), True  # not the sanity check's batches, in fit
 
     def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, TRAINING)
+        self._beat(trainer, TRAINING, phase=0)
 
     def on_before_backward(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, TRAINING)
+        self._beat(trainer, TRAINING, phase=1)
 
     def on_train_batch_end(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, TRAINING, ended=True)
+        self._beat(trainer, TRAINING, ended=True, phase=2)
 
     def on_validation_batch_start(self, trainer: L.Trainer, *_: object) -> None:
         self._beat(trainer, VALIDATING)

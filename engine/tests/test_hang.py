@@ -45,14 +45,19 @@ class FreezeAt(L.Callback):
 
 class SleepAt(L.Callback):
     """Global rank ``rank``'s main thread sleeps for an hour when optimizer step ``step`` is about to run: stuck, its
-    other threads running."""
+    other threads running. It ends the batch before that one ``late`` seconds late (a busy machine), so that its
+    last beat comes after the other ranks' last ones, which went on into the next backward and wait there."""
 
-    def __init__(self, step: int, rank: int) -> None:
-        self.step, self.rank = step, rank
+    def __init__(self, step: int, rank: int, late: float = 0.0) -> None:
+        self.step, self.rank, self.late = step, rank, late
 
     def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             time.sleep(3600)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_: object) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            time.sleep(self.late)  # before the watchdog's beat: the engine's callbacks come after the user's
 
 
 class DieUnderQuickObserver(L.Callback):
@@ -154,7 +159,7 @@ def test_rank_0_hung_is_named_by_its_own_watchdog_or_when_stopped_by_the_other_r
     pid_file, marker = tmp_path / "rank0.pid", tmp_path / "frozen"
     args = [*DDP2, *QUIET, *ENDLESS, "--run.hang_timeout", str(TIMEOUT)]
     if how == "stuck":
-        args += fault("SleepAt", step=6, rank=0)
+        args += fault("SleepAt", step=6, rank=0, late=2)
     else:
         args += fault("FreezeAt", step=6, rank=0, pid_file=pid_file, once_marker=marker)
     started = time.monotonic()
@@ -174,8 +179,8 @@ def test_rank_0_hung_is_named_by_its_own_watchdog_or_when_stopped_by_the_other_r
 # --- which rank a hang names (no processes) --------------------------------------------------------------------
 
 
-def beat(alive: float, progress: float, step: int = 6) -> Beat:
-    return Beat(alive=alive, progress=progress, step=step, what=1, pid=100, rank=0)
+def beat(alive: float, progress: float, step: int = 6, what: int = 2, point: int = -1) -> Beat:
+    return Beat(alive=alive, progress=progress, step=step, what=what, point=point, pid=100, rank=0)
 
 
 def test_no_rank_is_named_while_any_rank_progresses_within_the_timeout():
@@ -191,6 +196,16 @@ def test_a_rank_whose_process_does_not_run_is_named_before_the_one_that_stopped_
 def test_of_running_ranks_the_one_whose_progress_stopped_first_is_named():
     beats = {0: beat(99.9, 80.0), 1: beat(99.9, 80.5), 2: beat(99.9, 81.0)}
     assert stalled(beats, now=100.0, since=0.0, timeout=10) == (0, 20.0, set())
+
+
+def test_in_training_the_rank_furthest_back_in_the_loop_is_named_even_when_its_last_beat_came_later():
+    # rank 0 ended batch 6 late (a busy machine) and stuck before batch 7; rank 1 went on into batch 7's backward,
+    # where it waits for rank 0: the one to name is rank 0, though rank 1's last beat is the earlier in time
+    beats = {0: beat(99.9, 80.5, what=1, point=3 * 6 + 2), 1: beat(99.9, 80.25, what=1, point=3 * 7 + 1)}
+    assert stalled(beats, now=100.0, since=0.0, timeout=10) == (0, 19.5, set())
+    # outside training (validation shares may differ between ranks) the first to stop is named
+    beats = {0: beat(99.9, 80.5, what=2, point=-1), 1: beat(99.9, 80.25, what=1, point=3 * 7 + 1)}
+    assert stalled(beats, now=100.0, since=0.0, timeout=10) == (1, 19.75, set())
 
 
 def test_a_missing_heartbeat_or_one_of_an_earlier_run_counts_as_a_process_that_does_not_run():
