@@ -133,20 +133,24 @@ def example_inputs(module: LightningModule, config: dict[str, Any]) -> tuple[Inp
     # the run's data module, else the module's own loaders (BoringModel, Lightning's demo transformer: no data module)
     data = config.get("data")
     source = module if data is None else build(_recipe(data, "data"), LightningDataModule)
-    batch, loader = None, None
+    batch, loader, failed = None, None, []
     loaders = (("predict", "predict_dataloader"), ("validate", "val_dataloader"), ("fit", "train_dataloader"))
     for stage, loader in loaders:
         try:
             source.setup(stage)
             batch = next(iter(getattr(source, loader)()))
             break
-        except Exception:  # no such loader: the next one
-            continue
+        except Exception as error:  # no such loader (Lightning's default hook: "must be implemented"): the next one
+            if "must be implemented" not in str(error):
+                failed.append(
+                    f"{loader}: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+                )
     if batch is None:
         whose = "the module's own loaders" if data is None else "the run's data module"
+        why = f" ({'; '.join(failed)}: run export from the folder the run was trained in?)" if failed else ""
         raise ValueError(
             f"no example input: the module has no example_input_array and {whose} gave no predict, val or train "
-            "batch; set self.example_input_array in the module"
+            f"batch{why}; set self.example_input_array in the module"
         )
     batch = _two_samples(batch)
     if isinstance(batch, Mapping):

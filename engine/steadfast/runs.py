@@ -122,7 +122,8 @@ class RunPlan:
 
 def default_name(data_class_path: str | None) -> str:
     """``my_lab.data.CifarDataModule`` -> ``cifar``, ``MNIST1DDataModule`` -> ``mnist1d``, ``ImageNet`` ->
-    ``image_net``: a run is filed under what it trains on."""
+    ``image_net``: a run is filed under what it trains on (``family_dir``: the model's name when the model brings
+    its own data, ``LightningTransformer`` -> ``lightning_transformer``)."""
     name = (data_class_path or "").rsplit(".", 1)[-1]
     for suffix in ("DataModule", "Datamodule", "Dataset", "Data"):
         if name.endswith(suffix) and name != suffix:
@@ -133,9 +134,10 @@ def default_name(data_class_path: str | None) -> str:
 
 def family_dir(config: Namespace) -> Path:
     runs = config.get("run") or Namespace(root="runs", name=None)
-    data = config.get("data")
+    data, model = config.get("data"), config.get("model")
     data_class = data.get("class_path") if isinstance(data, Namespace) else None
-    return Path(runs.root) / (runs.name or default_name(data_class))
+    model_class = model.get("class_path") if isinstance(model, Namespace) else None
+    return Path(runs.root) / (runs.name or default_name(data_class or model_class))
 
 
 def next_version_dir(family: Path) -> Path:

@@ -1,12 +1,13 @@
 """Run folders: where a run goes, what `--ckpt_path last` picks, and which run a resume continues."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from jsonargparse import Namespace
 
-from steadfast.runs import default_name, plan_run
+from steadfast.runs import default_name, family_dir, plan_run
 from tests.helpers import RUN_NAME
 
 
@@ -17,6 +18,13 @@ from tests.helpers import RUN_NAME
 )  # fmt: skip
 def test_runs_are_named_after_the_data_module(class_path, name):
     assert default_name(class_path) == name
+
+
+def test_a_model_that_brings_its_own_data_names_its_runs():
+    own = Namespace(run=Namespace(root="runs", name=None), model=Namespace(class_path="x.LightningTransformer"))
+    assert family_dir(own) == Path("runs") / "lightning_transformer"
+    own.data = Namespace(class_path="x.WikiTextDataModule")  # a data module names them, as above
+    assert family_dir(own) == Path("runs") / "wiki_text"
 
 
 def config(root, ckpt_path=None):
