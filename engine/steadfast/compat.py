@@ -197,6 +197,49 @@ def reopen_an_epoch_stopped_mid_way(checkpoint: dict) -> None:
         checkpoint["epoch"] = current["completed"]
 
 
+def start_the_epoch_after_an_ended_one(checkpoint: dict, max_steps: int) -> bool:
+    """Lightning 2.6 (2.6.6 and before), in a fit with ``max_steps``: a checkpoint saved after an epoch's end (its
+    validation and ``on_train_epoch_end``, where every monitored or every-N-epochs ``ModelCheckpoint`` saves) is
+    resumed by ending that epoch once more. Its epoch counter counts the epoch twice, so the next epoch
+    (``current_epoch`` 1) draws the data order of the one after it (the sampler's ``set_epoch(2)``), and
+    ``max_epochs`` ends the run an epoch early. Without ``max_steps`` Lightning starts the next epoch as it should
+    (its loop is not "restarting"). The checkpoint's loop counters are rewritten to what Lightning restores in that
+    case: the epoch counted complete, the epoch loop's counts of the current epoch at zero (``reset_on_run``).
+    Returns whether it rewrote them. Call it in ``on_load_checkpoint``, before Lightning restores the loops.
+    Upstream: the same restart logic of a fit with ``max_steps`` is
+    https://github.com/Lightning-AI/pytorch-lightning/issues/19617 (open); this case is to be reported there with
+    ``tests/test_compat.py::test_lightning_ends_an_ended_epoch_again_under_max_steps``."""
+    if max_steps == -1 or "loops" not in checkpoint:
+        return False
+    try:
+        fit = checkpoint["loops"]["fit_loop"]
+        epochs, batches = fit["epoch_progress"], fit["epoch_loop.batch_progress"]
+        current = epochs["current"]
+        ended = current["ready"] == current["started"] == current["processed"] == current["completed"] + 1 > 0
+        if not ended or not batches["is_last_batch"]:
+            return False
+        for counts in (epochs["current"], epochs["total"]):
+            counts["completed"] = counts["processed"]
+        batches["is_last_batch"] = False
+        loop = "epoch_loop."
+        for key in ("batch_progress", "scheduler_progress", "automatic_optimization.optim_progress",
+                    "manual_optimization.optim_step_progress"):  # fmt: skip
+            _zero(fit[loop + key], "current")
+        _zero(fit["epoch_loop.val_loop.batch_progress"]["total"], None)  # it counts the batches of one epoch
+    except (KeyError, TypeError) as error:
+        raise LightningChanged(f"the checkpoint's loops.fit_loop has no {error} where the engine expects it") from None
+    return True
+
+
+def _zero(counts: dict, under: str | None) -> None:
+    """Sets to 0 every count in ``counts`` (every one inside a ``under`` key of it, at any depth, when given)."""
+    for key, value in counts.items():
+        if isinstance(value, dict):
+            _zero(value, None if key == under else under)
+        elif under is None and isinstance(value, int) and not isinstance(value, bool):
+            counts[key] = 0
+
+
 COUNTS = ("ready", "started", "processed", "completed")
 
 

@@ -1,19 +1,38 @@
 """Process-group hygiene for multi-process runs."""
 
+import atexit
+
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
 
 class DestroyProcessGroup(Callback):
-    """Destroys the default process group when a stage ends.
+    """Destroys the default process group when a stage ends, or at the exit of a process whose stage failed.
 
     A gloo process group left alive at interpreter exit can abort the process ("terminate called without an
-    active exception", exit -6) after a successful run; torchrun then takes the finished run for a crash and
-    restarts it. A later stage in the same process initialises a new group.
+    active exception", exit -6 instead of the run's own code): its worker threads still hold work whose tensors are
+    freed while the interpreter is torn down (https://github.com/pytorch/pytorch/pull/179291). torchrun then takes a
+    finished run for a crash and restarts it; a scheduler that requeues on a preemption's 143 sees 134. A later stage
+    in the same process initialises a new group.
     """
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        atexit.unregister(_destroy)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             trainer.strategy.barrier("destroy_process_group")
             torch.distributed.destroy_process_group()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Lightning skips teardown after a failure, a preemption's SIGTERMException included, and the callbacks
+        # after this one may still need the group (the preemption's save gathers every rank's RNG states): it goes
+        # at the process's exit, while the interpreter is whole (atexit handlers run first). No barrier: a rank
+        # that failed may never reach one.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            atexit.unregister(_destroy)  # once, however many stages failed
+            atexit.register(_destroy)
+
+
+def _destroy() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

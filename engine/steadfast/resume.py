@@ -14,6 +14,7 @@ from torchmetrics import Metric
 from steadfast.compat import (
     reopen_an_epoch_stopped_mid_way,
     rescale_batch_progress,
+    start_the_epoch_after_an_ended_one,
     start_the_epoch_lightning_skipped,
 )
 from steadfast.elastic import GlobalBatch, Shape, epoch_note, has_batch_norm
@@ -86,6 +87,12 @@ class ExactResume(Callback):
         _flush_each_save(trainer, True)
         self._flush_before_next_batch = True
         reopen_an_epoch_stopped_mid_way(checkpoint)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # Under max_steps Lightning ends an epoch-end checkpoint's epoch again: the next epoch would draw the order of
+        # the one after it (any monitored or every-N-epochs checkpoint; plain Lightning's too)
+        if trainer.state.fn == "fit":
+            start_the_epoch_after_an_ended_one(checkpoint, trainer.max_steps)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_started = trainer.current_epoch

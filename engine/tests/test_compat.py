@@ -847,3 +847,46 @@ def test_synced_means_patch_leaves_single_process_values_bit_identical():
     finally:
         undo()
     assert lightning.keys() == patched.keys() and all(torch.equal(lightning[k], patched[k]) for k in lightning)
+
+
+def test_lightning_ends_an_ended_epoch_again_under_max_steps(tmp_path):
+    """Plain Lightning, ``max_steps`` set: resumed from the checkpoint a monitored ModelCheckpoint wrote at epoch 0's
+    end, epoch 1 draws the sampler order of epoch 2 (``start_the_epoch_after_an_ended_one`` puts it right). If this
+    fails because Lightning now draws epoch 1 as it should, the rewrite can go."""
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from steadfast.compat import start_the_epoch_after_an_ended_one
+
+    class Module(BoringModel):
+        def train_dataloader(self):
+            data = RandomDataset(32, 16)
+            return DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=3))
+
+        def validation_step(self, batch, batch_idx):
+            self.log("v", self.step(batch))
+
+    class Record(L.Callback):
+        def __init__(self, rewrite: bool = False) -> None:
+            self.rewrite, self.seen = rewrite, []
+
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+            if self.rewrite:
+                assert start_the_epoch_after_an_ended_one(checkpoint, trainer.max_steps)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen.append((trainer.current_epoch, trainer.train_dataloader.sampler.epoch, batch.sum().item()))
+
+    def fit(epochs: int, record: Record, ckpt: Path | None = None) -> None:
+        torch.manual_seed(0)
+        every_epoch = ModelCheckpoint(dirpath=tmp_path, monitor="v", save_top_k=-1, filename="{epoch}")
+        trainer = L.Trainer(max_epochs=epochs, max_steps=100, callbacks=[every_epoch, record], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)  # fmt: skip
+        trainer.fit(Module(), ckpt_path=ckpt)
+
+    fit(3, whole := Record())
+    fit(3, lightning := Record(), tmp_path / "epoch=0.ckpt")
+    fit(3, rewritten := Record(rewrite=True), tmp_path / "epoch=0.ckpt")
+    assert [e for e, _, _ in whole.seen] == [0] * 4 + [1] * 4 + [2] * 4
+    assert lightning.seen[0][:2] == (1, 2) and len(lightning.seen) == 4  # epoch 1 in epoch 2's order, then stopped
+    assert rewritten.seen == whole.seen[4:]  # epochs 1 and 2, the uninterrupted run's batches

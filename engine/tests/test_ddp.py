@@ -1,12 +1,13 @@
 """Two CPU ranks (gloo) through the real CLI: one run folder, one event stream, checkpoints, metrics."""
 
 import math
+import os
 
 import pytest
 import torch
 
 from tests.fixtures.stand_in import SAMPLES
-from tests.helpers import DDP2, QUIET, cli, run_dirs, scalars
+from tests.helpers import DDP2, PYTHONPATH, QUIET, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow
 
@@ -40,3 +41,34 @@ def test_parameters_unused_in_a_steps_loss_under_ddp_are_one_line_naming_the_str
     assert not (tmp_path / "runs").exists()  # it trained no batch: no run folder left
     fixed = cli("fit", *QUIET, *DDP2, *gan, "--trainer.strategy", "ddp_find_unused_parameters_true", cwd=tmp_path)
     assert fixed.returncode == 0
+
+
+DESTROYED_AT_EXIT = """
+import atexit, os, torch, torch.distributed as dist
+from steadfast.distributed import DestroyProcessGroup
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str({port}))
+dist.init_process_group("gloo", rank=0, world_size=1)
+work = dist.all_reduce(torch.ones(2), async_op=True)  # work of the group's threads, left as an agreement leaves it
+atexit.register(lambda: print("group alive at exit:", dist.is_initialized()))  # runs after the ones registered later
+{fail}
+raise SystemExit(143)
+"""
+
+
+@pytest.mark.parametrize("failed", [True, False])
+def test_a_failed_stage_destroys_its_process_group_at_exit_while_the_interpreter_is_whole(failed):
+    """Lightning skips teardown after a failure (a preemption's SIGTERMException too): the group would be left to
+    the interpreter's end, where gloo can abort the process (-6 for 143)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fail = "DestroyProcessGroup().on_exception(None, None, SystemExit(143))" if failed else ""
+    code = DESTROYED_AT_EXIT.format(port=port, fail=fail)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": PYTHONPATH})  # fmt: skip
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert f"group alive at exit: {not failed}" in proc.stdout, proc.stdout + proc.stderr[-2000:]
