@@ -89,7 +89,9 @@ def stall_pairs(megabytes: float, repeats: int, folder: Path) -> dict:
 
 def fit_once(args: list[str], out: Path) -> None:
     """Worker: one in-process fit, its duration written to ``out``."""
-    from project.__main__ import main as cli_main  # python -m project: its base config
+    import project.__main__ as entry  # python -m project: its base config
+
+    cli_main = getattr(entry, "main", None) or entry.cli_main  # a checkout from before the engine was steadfast
 
     start, cpu, faults = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     cli = cli_main(["fit", *args])
