@@ -23,7 +23,7 @@ from steadfast.user_loaders import UserLoaders, saves_its_state
 class Guarantees(Callback):
     """Rank 0 prints, when training starts, e.g.
     ``Run runs/digits/version_3 (continues from step 50 of runs/digits/version_3/checkpoints/last.ckpt) | 2 x cuda |
-    exact resume: yes, also mid-epoch | logs: TensorBoard``
+    exact resume: yes, also mid-epoch (each resume checks its first batch) | logs: TensorBoard``
     and after ``opts out:`` each guarantee the configuration or user code gives up, with the reason.
 
     A resumed fit prints it at its first batch, having compared that batch with the checkpoint's record of its next
@@ -147,7 +147,9 @@ class Guarantees(Callback):
         if verdict is not None:  # a resume: what its first batch showed
             exact = verdict[1] + ("; see opts out" if out else "")
         else:
-            exact = "yes, also mid-epoch" if not out else "see opts out"
+            exact = (
+                "yes, also mid-epoch (each resume checks its first batch)" if not out else "see opts out"
+            )  # a promise: checked when kept
         elastic = f" | elastic: {resume.batches.note}" if resume is not None and resume.batches.note else ""
         streams = self.streams.describe() if self.streams is not None else []
         elastic += " | streams: " + "; ".join(streams) if streams else ""  # what resuming each one costs

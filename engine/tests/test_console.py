@@ -86,8 +86,8 @@ SPEED = (
 EXPECTED = [
     "=== fit",
     *SUMMARY,
-    rf"Run runs/{RUN_NAME}/version_0 \(fresh\) \| 1 x cpu \| exact resume: yes, also mid-epoch \| logs: {LOGGER}"
-    + re.escape(SPEED),
+    rf"Run runs/{RUN_NAME}/version_0 \(fresh\) \| 1 x cpu \| exact resume: yes, also mid-epoch \(each resume checks "
+    rf"its first batch\) \| logs: {LOGGER}" + re.escape(SPEED),
     r"LR schedule: warmup \(2 epochs = 4 steps\) is longer than this run \(2 steps\): warmup shortened to 2 steps,"
     r" no cosine decay",
     rf"Run summary: best val/acc 0\.\d{{4}} \| best checkpoint runs/{RUN_NAME}/version_0/checkpoints/best-epoch000-step"
@@ -179,7 +179,7 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
         assert "pair.cc" not in out and "Connection reset" not in out, out[-3000:]  # no gloo traceback wall
         start = "(fresh)" if resumed_from is None else f"(continues from step {resumed_from} of {last})"
         # a resume from an epoch's end (4 steps of 2 x 64 samples): the next epoch's first batch, as recorded
-        exact = "yes, also mid-epoch" if resumed_from is None else (
+        exact = "yes, also mid-epoch (each resume checks its first batch)" if resumed_from is None else (
             f"resume verified (epoch {resumed_from // 4}, batch 0: 128 samples on 2 rank(s), those the checkpoint's "
             "run would have trained next)")  # fmt: skip
         lines = console_lines(proc.stdout) + console_lines(proc.stderr)

@@ -142,16 +142,19 @@ def test_a_resume_keeps_the_seed_its_run_drew_the_order_with(monkeypatch):
     assert head + [b.tolist() for (b,) in resumed] == [b.tolist() for b in expected]
 
 
+EXACT = "yes, also mid-epoch (each resume checks its first batch)"  # a fresh run's promise
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
         (["--data.train_sampler", "own"], "train loader 0: its sampler EveryOtherSampler is the user's own: a "
                                           "mid-epoch resume restarts that epoch's data"),
         # a stream without state is fast-forwarded (steadfast.stream_resume), checked against its fingerprint
-        (["--data.train_sampler", "stream"], "exact resume: yes, also mid-epoch | streams: train loader 0 (Stream), "
+        (["--data.train_sampler", "stream"], f"exact resume: {EXACT} | streams: train loader 0 (Stream), "
                                              "no state_dict: a mid-epoch resume fast-forwards it"),
-        (["--data.train_sampler", "weighted"], "exact resume: yes, also mid-epoch"),
-        (["--data.val_sampler", "own"], "exact resume: yes, also mid-epoch"),  # one rank: each sample once
+        (["--data.train_sampler", "weighted"], f"exact resume: {EXACT}"),
+        (["--data.val_sampler", "own"], f"exact resume: {EXACT}"),  # one rank: each sample once
     ],
 )  # fmt: skip
 def test_the_start_line_names_each_loader_the_engine_cannot_make_exact(flags, expected, tmp_path, capsys):
