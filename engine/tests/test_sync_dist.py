@@ -45,6 +45,9 @@ def test_evaluation_means_on_one_two_and_three_ranks_are_the_single_process_ones
     stage = "val" if subcommand == "validate" else "test"
     exact = closed_form(stage)
     logged = {n: last_values(tmp_path / f"ranks{n}", subcommand, *on_ranks(n)) for n in RANKS}
+    for name, mean in exact.items():
+        values = " / ".join(f"{logged[n][stage + '/' + name]:.7g}" for n in RANKS)
+        print(f"{stage}/{name} on 1/2/3 ranks: {values} (all samples: {mean:.7g})")
     for n, values in logged.items():  # untrained weights, seeded alike: the same loss on any number of ranks
         assert values[f"{stage}/loss"] == pytest.approx(logged[1][f"{stage}/loss"], rel=1e-6), (n, values)
         for name, mean in exact.items():
