@@ -137,7 +137,11 @@ def family_dir(config: Namespace) -> Path:
     data, model = config.get("data"), config.get("model")
     data_class = data.get("class_path") if isinstance(data, Namespace) else None
     model_class = model.get("class_path") if isinstance(model, Namespace) else None
-    return Path(runs.root) / (runs.name or default_name(data_class or model_class))
+    family = Path(runs.root) / (runs.name or default_name(data_class or model_class))
+    legacy = Path(runs.root) / default_name(None)  # where 1.1.0 and before filed a model that brings its own data
+    if not runs.name and not data_class and model_class and legacy.is_dir() and not family.exists():
+        return legacy  # its runs stay one family: --ckpt_path last still finds them
+    return family
 
 
 def next_version_dir(family: Path) -> Path:

@@ -27,6 +27,14 @@ def test_a_model_that_brings_its_own_data_names_its_runs():
     assert family_dir(own) == Path("runs") / "wiki_text"
 
 
+def test_runs_filed_under_runs_by_an_older_engine_stay_one_family(tmp_path):
+    own = Namespace(run=Namespace(root=str(tmp_path), name=None), model=Namespace(class_path="x.LightningTransformer"))
+    (tmp_path / "runs" / "version_0").mkdir(parents=True)  # engine 1.1.0 put a model without a data module there
+    assert family_dir(own) == tmp_path / "runs"
+    (tmp_path / "lightning_transformer").mkdir()  # once the new family exists, it is the one
+    assert family_dir(own) == tmp_path / "lightning_transformer"
+
+
 def config(root, ckpt_path=None):
     return Namespace(run=Namespace(root=str(root), name=None), data=Namespace(class_path="p.BlobsDataModule"),
                      ckpt_path=ckpt_path, trainer=Namespace(logger=None))  # fmt: skip
