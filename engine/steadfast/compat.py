@@ -25,7 +25,8 @@ attribute, on a Lightning version where one changed.
   Lightning resolved it (``steadfast.user_loaders``).
 - The fit loop's saved counters (``loops.fit_loop``: ``epoch_loop.batch_progress``, ``epoch_progress``), rewritten
   when a fit stopped mid-epoch (``reopen_an_epoch_stopped_mid_way``, ``steadfast.resume``), and on loading a
-  checkpoint of an epoch's end into a fit with ``max_steps`` (``start_the_epoch_after_an_ended_one``, likewise).
+  checkpoint of an epoch's end into a fit with ``max_steps`` (``start_the_epoch_after_an_ended_one``, likewise);
+  then ``fit_loop.epoch_loop.restarting`` and ``reset_restart_stage`` (``start_the_epoch_loop_afresh``).
 - The fit loop's live micro-batch counters (``fit_loop.epoch_loop.batch_progress``: ``current`` and ``total``, each
   ``ready``/``started``/``processed``/``completed``), rescaled on a resume on another number of ranks
   (``rescale_batch_progress``, ``steadfast.resume``).
@@ -203,12 +204,13 @@ def start_the_epoch_after_an_ended_one(checkpoint: dict, max_steps: int) -> bool
     validation and ``on_train_epoch_end``, where every monitored or every-N-epochs ``ModelCheckpoint`` saves) is
     resumed by ending that epoch once more. Its epoch counter counts the epoch twice, so the next epoch
     (``current_epoch`` 1) draws the data order of the one after it (the sampler's ``set_epoch(2)``), and
-    ``max_epochs`` ends the run an epoch early. Without ``max_steps`` Lightning starts the next epoch as it should
-    (its loop is not "restarting"). The checkpoint's loop counters are rewritten to what Lightning restores in that
-    case: the epoch counted complete, the epoch loop's counts of the current epoch at zero (``reset_on_run``).
-    Returns whether it rewrote them. Call it in ``on_load_checkpoint``, before Lightning restores the loops.
-    Upstream: the same restart logic of a fit with ``max_steps`` is
-    https://github.com/Lightning-AI/pytorch-lightning/issues/19617 (open); this case is to be reported there with
+    ``max_epochs`` ends the run an epoch early. Without ``max_steps`` Lightning starts the next epoch as it should:
+    its loops are not "restarting" (``FitLoop.restarting`` forces it for a fit with ``max_steps``). The fix is what
+    Lightning does then: the checkpoint's epoch is counted complete here (before Lightning restores the loops: call
+    it in ``on_load_checkpoint``; returns whether it did), and ``start_the_epoch_loop_afresh`` at ``on_train_start``
+    has the epoch loop start its counts as on a fresh epoch (``reset_on_run``), not as a restart in which its first
+    iteration trains nothing and counts a logged step. Upstream: the same restart logic of a fit with ``max_steps``
+    is https://github.com/Lightning-AI/pytorch-lightning/issues/19617 (open); this case is to be reported there with
     ``tests/test_compat.py::test_lightning_ends_an_ended_epoch_again_under_max_steps``."""
     if max_steps == -1 or "loops" not in checkpoint:
         return False
@@ -221,24 +223,21 @@ def start_the_epoch_after_an_ended_one(checkpoint: dict, max_steps: int) -> bool
             return False
         for counts in (epochs["current"], epochs["total"]):
             counts["completed"] = counts["processed"]
-        batches["is_last_batch"] = False
-        loop = "epoch_loop."
-        for key in ("batch_progress", "scheduler_progress", "automatic_optimization.optim_progress",
-                    "manual_optimization.optim_step_progress"):  # fmt: skip
-            _zero(fit[loop + key], "current")
-        _zero(fit["epoch_loop.val_loop.batch_progress"]["total"], None)  # it counts the batches of one epoch
     except (KeyError, TypeError) as error:
         raise LightningChanged(f"the checkpoint's loops.fit_loop has no {error} where the engine expects it") from None
     return True
 
 
-def _zero(counts: dict, under: str | None) -> None:
-    """Sets to 0 every count in ``counts`` (every one inside a ``under`` key of it, at any depth, when given)."""
-    for key, value in counts.items():
-        if isinstance(value, dict):
-            _zero(value, None if key == under else under)
-        elif under is None and isinstance(value, int) and not isinstance(value, bool):
-            counts[key] = 0
+def start_the_epoch_loop_afresh(trainer: L.Trainer) -> None:
+    """The second half of ``start_the_epoch_after_an_ended_one``: the epoch loop (and its validation loop) not
+    restarting, as without ``max_steps``. Call it in ``on_train_start``, after the fit loop's reset and before the
+    epoch loop's."""
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        loop.restarting = False  # Lightning's setter: its child loops too
+        loop.reset_restart_stage()
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
 
 
 COUNTS = ("ready", "started", "processed", "completed")

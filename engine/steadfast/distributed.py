@@ -5,10 +5,12 @@ import atexit
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 class DestroyProcessGroup(Callback):
-    """Destroys the default process group when a stage ends, or at the exit of a process whose stage failed.
+    """Destroys the default process group when a stage ends, or at the exit of a process that a preemption or Ctrl-C
+    stopped.
 
     A gloo process group left alive at interpreter exit can abort the process ("terminate called without an
     active exception", exit -6 instead of the run's own code): its worker threads still hold work whose tensors are
@@ -24,10 +26,13 @@ class DestroyProcessGroup(Callback):
             torch.distributed.destroy_process_group()
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # Lightning skips teardown after a failure, a preemption's SIGTERMException included, and the callbacks
-        # after this one may still need the group (the preemption's save gathers every rank's RNG states): it goes
-        # at the process's exit, while the interpreter is whole (atexit handlers run first). No barrier: a rank
-        # that failed may never reach one.
+        # A stop every rank agreed on (a preemption or Ctrl-C: SIGTERMException, steadfast.signals) skips teardown
+        # too, and the callbacks after this one still need the group (the save gathers every rank's RNG states): it
+        # goes at the process's exit, while the interpreter is whole (atexit handlers run first). Not after another
+        # error: destroying a group waits for its collectives in flight, which a dead peer never finishes (that
+        # exit is steadfast.rank_failures'). No barrier: the ranks' exits need not meet.
+        if not isinstance(exception, SIGTERMException):
+            return
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             atexit.unregister(_destroy)  # once, however many stages failed
             atexit.register(_destroy)

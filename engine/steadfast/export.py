@@ -133,7 +133,7 @@ def example_inputs(module: LightningModule, config: dict[str, Any]) -> tuple[Inp
     # the run's data module, else the module's own loaders (BoringModel, Lightning's demo transformer: no data module)
     data = config.get("data")
     source = module if data is None else build(_recipe(data, "data"), LightningDataModule)
-    batch, loader, failed = None, None, []
+    batch, loader, failed, no_file = None, None, [], False
     loaders = (("predict", "predict_dataloader"), ("validate", "val_dataloader"), ("fit", "train_dataloader"))
     for stage, loader in loaders:
         try:
@@ -141,13 +141,14 @@ def example_inputs(module: LightningModule, config: dict[str, Any]) -> tuple[Inp
             batch = next(iter(getattr(source, loader)()))
             break
         except Exception as error:  # no such loader (Lightning's default hook: "must be implemented"): the next one
-            if "must be implemented" not in str(error):
-                failed.append(
-                    f"{loader}: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
-                )
+            said = str(error).splitlines()[0][:200] if str(error) else ""
+            if "must be implemented" not in said:
+                failed.append(f"{loader}: {type(error).__name__}" + (f": {said}" if said else ""))
+                no_file = no_file or isinstance(error, OSError)
     if batch is None:
         whose = "the module's own loaders" if data is None else "the run's data module"
-        why = f" ({'; '.join(failed)}: run export from the folder the run was trained in?)" if failed else ""
+        where = ": run export in the folder the run was trained in" if no_file else ""
+        why = f" ({'; '.join(failed)}{where})" if failed else ""
         raise ValueError(
             f"no example input: the module has no example_input_array and {whose} gave no predict, val or train "
             f"batch{why}; set self.example_input_array in the module"

@@ -16,6 +16,7 @@ from steadfast.compat import (
     rescale_batch_progress,
     start_the_epoch_after_an_ended_one,
     start_the_epoch_lightning_skipped,
+    start_the_epoch_loop_afresh,
 )
 from steadfast.elastic import GlobalBatch, Shape, epoch_note, has_batch_norm
 from steadfast.next_batch import record, verdict, watch
@@ -70,6 +71,7 @@ class ExactResume(Callback):
         self._loaded = False  # the checkpoint resumed from held this callback's state
         self._next_batch: list[Any] | None = None  # the checkpoint's records of its next batch
         self._verdict: tuple[str, str] | None = None
+        self._epoch_loop_afresh = False  # the checkpoint's ended epoch was counted complete (compat)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -91,8 +93,8 @@ class ExactResume(Callback):
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         # Under max_steps Lightning ends an epoch-end checkpoint's epoch again: the next epoch would draw the order of
         # the one after it (any monitored or every-N-epochs checkpoint; plain Lightning's too)
-        if trainer.state.fn == "fit":
-            start_the_epoch_after_an_ended_one(checkpoint, trainer.max_steps)
+        if trainer.state.fn == "fit" and start_the_epoch_after_an_ended_one(checkpoint, trainer.max_steps):
+            self._epoch_loop_afresh = True
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_started = trainer.current_epoch
@@ -212,6 +214,9 @@ class ExactResume(Callback):
         return out
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._epoch_loop_afresh:  # the next epoch starts as a fresh one, as Lightning does without max_steps
+            start_the_epoch_loop_afresh(trainer)
+            self._epoch_loop_afresh = False
         if trainer.ckpt_path is not None:
             watch(trainer)  # its first batch, for ``verify``
         resized = self.batches.resized

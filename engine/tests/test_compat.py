@@ -851,12 +851,13 @@ def test_synced_means_patch_leaves_single_process_values_bit_identical():
 
 def test_lightning_ends_an_ended_epoch_again_under_max_steps(tmp_path):
     """Plain Lightning, ``max_steps`` set: resumed from the checkpoint a monitored ModelCheckpoint wrote at epoch 0's
-    end, epoch 1 draws the sampler order of epoch 2 (``start_the_epoch_after_an_ended_one`` puts it right). If this
-    fails because Lightning now draws epoch 1 as it should, the rewrite can go."""
+    end, epoch 1 draws the sampler order of epoch 2 (``start_the_epoch_after_an_ended_one`` and
+    ``start_the_epoch_loop_afresh`` put it right). If this fails because Lightning now draws epoch 1 as it should,
+    the fix can go."""
     from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from steadfast.compat import start_the_epoch_after_an_ended_one
+    from steadfast.compat import logging_step, start_the_epoch_after_an_ended_one, start_the_epoch_loop_afresh
 
     class Module(BoringModel):
         def train_dataloader(self):
@@ -874,8 +875,13 @@ def test_lightning_ends_an_ended_epoch_again_under_max_steps(tmp_path):
             if self.rewrite:
                 assert start_the_epoch_after_an_ended_one(checkpoint, trainer.max_steps)
 
+        def on_train_start(self, trainer, pl_module):
+            if self.rewrite:
+                start_the_epoch_loop_afresh(trainer)
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.seen.append((trainer.current_epoch, trainer.train_dataloader.sampler.epoch, batch.sum().item()))
+            sampler_epoch = trainer.train_dataloader.sampler.epoch
+            self.seen.append((trainer.current_epoch, sampler_epoch, batch.sum().item(), logging_step(trainer)))
 
     def fit(epochs: int, record: Record, ckpt: Path | None = None) -> None:
         torch.manual_seed(0)
@@ -887,6 +893,7 @@ def test_lightning_ends_an_ended_epoch_again_under_max_steps(tmp_path):
     fit(3, whole := Record())
     fit(3, lightning := Record(), tmp_path / "epoch=0.ckpt")
     fit(3, rewritten := Record(rewrite=True), tmp_path / "epoch=0.ckpt")
-    assert [e for e, _, _ in whole.seen] == [0] * 4 + [1] * 4 + [2] * 4
+    assert [seen[0] for seen in whole.seen] == [0] * 4 + [1] * 4 + [2] * 4
     assert lightning.seen[0][:2] == (1, 2) and len(lightning.seen) == 4  # epoch 1 in epoch 2's order, then stopped
-    assert rewritten.seen == whole.seen[4:]  # epochs 1 and 2, the uninterrupted run's batches
+    # epochs 1 and 2: the uninterrupted run's batches, at its logging steps (the loggers' x axis)
+    assert rewritten.seen == whole.seen[4:]

@@ -56,7 +56,7 @@ raise SystemExit(143)
 
 
 @pytest.mark.parametrize("failed", [True, False])
-def test_a_failed_stage_destroys_its_process_group_at_exit_while_the_interpreter_is_whole(failed):
+def test_a_preempted_stage_destroys_its_process_group_at_exit_while_the_interpreter_is_whole(failed):
     """Lightning skips teardown after a failure (a preemption's SIGTERMException too): the group would be left to
     the interpreter's end, where gloo can abort the process (-6 for 143)."""
     import socket
@@ -66,7 +66,8 @@ def test_a_failed_stage_destroys_its_process_group_at_exit_while_the_interpreter
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    fail = "DestroyProcessGroup().on_exception(None, None, SystemExit(143))" if failed else ""
+    stopped = "from lightning.pytorch.utilities.exceptions import SIGTERMException as Stop"
+    fail = f"{stopped}\nDestroyProcessGroup().on_exception(None, None, Stop())" if failed else ""
     code = DESTROYED_AT_EXIT.format(port=port, fail=fail)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": PYTHONPATH})  # fmt: skip
