@@ -22,7 +22,7 @@
 # Every figure ends up in one table, OUT_DIR/table.md (scripts/gpu_check_table.py), printed at the end.
 # Uses min(2, #GPUs) devices. Every step runs even if an earlier one failed; the summary at the end lists them, the
 # logs are in OUT_DIR, and the exit code is the number of failed steps. --cpu runs the same steps on 2 CPU processes
-# with small sizes and without compile/workers (gpu.yaml without its Compile callback: OUT_DIR/gpu_nocompile.yaml),
+# with small sizes and without compile/workers (gpu.yaml with speed.compile false: OUT_DIR/gpu_nocompile.yaml),
 # to check the script itself on a machine without a GPU; there the limits are not applied.
 # PYTHON (default python) picks the interpreter.
 set -uo pipefail
@@ -33,17 +33,19 @@ OUT=$(realpath -m "${1:-gpu_check_out}")
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
 rm -f "$OUT/steps.txt"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
-# gpu.yaml without torch.compile (the Compile callback): the --cpu runs, and the transformer's compile-off run
-"$PY" - "$REPO/configs/gpu.yaml" "$OUT/gpu_nocompile.yaml" <<'EOF'
+# the engine's test fixtures (tests.faults, tests.gpu_nets: engine/tests) before the project (its package)
+ENGINE_TESTS=$([[ -d "$REPO/engine/tests" ]] && echo "$REPO/engine:" || true)
+export PYTHONPATH="$ENGINE_TESTS$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
+# gpu.yaml without torch.compile (speed.compile false): the --cpu runs, and the transformer's compile-off run; every
+# step below reads it, so a gpu.yaml this cannot rewrite stops the check here
+"$PY" - "$REPO/configs/gpu.yaml" "$OUT/gpu_nocompile.yaml" <<'EOF' || { echo "gpu_check: cannot write gpu_nocompile.yaml" >&2; exit 2; }
 import sys
 
 import yaml
 
 config = yaml.safe_load(open(sys.argv[1]))
-callbacks = config["trainer"]["callbacks+"]
-config["trainer"]["callbacks+"] = [c for c in callbacks if c["class_path"] != "steadfast.speed.Compile"]
-assert len(config["trainer"]["callbacks+"]) == len(callbacks) - 1, "gpu.yaml has no steadfast.speed.Compile"
+assert config["speed"]["compile"] is True, "gpu.yaml does not set speed.compile: true"
+config["speed"]["compile"] = False
 open(sys.argv[2], "w").write(yaml.safe_dump(config, sort_keys=False))
 EOF
 
@@ -96,7 +98,9 @@ step() {  # step NAME TIMEOUT_S CMD...: runs CMD (a shell function too) with its
 fit() {  # fit RUN_ROOT ARGS...
   local root=$1
   shift
-  "$PY" -m project fit --run.root "$root" "${QUIET[@]}" "$@"
+  # PYTHONSAFEPATH: python -m does not put the working folder first, where the template's own tests/ would hide the
+  # engine's (the scripts run by path keep their folder on the path: they import their neighbours)
+  PYTHONSAFEPATH=1 "$PY" -m project fit --run.root "$root" "${QUIET[@]}" "$@"
 }
 
 # 4. in the background, one after the other (the hand loop runs on the CPU only, so all of the benchmark does:
