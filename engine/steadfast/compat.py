@@ -27,6 +27,8 @@ attribute, on a Lightning version where one changed.
   when a fit stopped mid-epoch (``reopen_an_epoch_stopped_mid_way``, ``steadfast.resume``), and on loading a
   checkpoint of an epoch's end into a fit with ``max_steps`` (``start_the_epoch_after_an_ended_one``, likewise);
   then ``fit_loop.epoch_loop.restarting`` and ``reset_restart_stage`` (``start_the_epoch_loop_afresh``).
+- ``fit_loop.epoch_loop.batch_progress.total.ready``: the training batches begun, where a hung rank stopped
+  (``batches_begun``, ``steadfast.hang_watchdog``).
 - The fit loop's live micro-batch counters (``fit_loop.epoch_loop.batch_progress``: ``current`` and ``total``, each
   ``ready``/``started``/``processed``/``completed``), rescaled on a resume on another number of ranks
   (``rescale_batch_progress``, ``steadfast.resume``).
@@ -238,6 +240,15 @@ def start_the_epoch_loop_afresh(trainer: L.Trainer) -> None:
         loop.reset_restart_stage()
     except AttributeError as error:
         raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
+
+
+def batches_begun(trainer: L.Trainer) -> int:
+    """Training batches this fit has begun (``fit_loop.epoch_loop.batch_progress.total.ready``, counted before
+    ``on_train_batch_start``): the same on every rank at the same point of the loop."""
+    try:
+        return int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop.batch_progress.total has no {error.name}") from None
 
 
 COUNTS = ("ready", "started", "processed", "completed")

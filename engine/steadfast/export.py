@@ -141,7 +141,7 @@ def example_inputs(module: LightningModule, config: dict[str, Any]) -> tuple[Inp
             batch = next(iter(getattr(source, loader)()))
             break
         except Exception as error:  # no such loader (Lightning's default hook: "must be implemented"): the next one
-            said = str(error).splitlines()[0][:200] if str(error) else ""
+            said = next(iter(str(error).splitlines()), "")[:200]
             if "must be implemented" not in said:
                 failed.append(f"{loader}: {type(error).__name__}" + (f": {said}" if said else ""))
                 no_file = no_file or isinstance(error, OSError)

@@ -49,6 +49,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
+from steadfast.compat import batches_begun
 from steadfast.rank_failures import launched_by_lightning
 
 WHAT = ("starting", "training", "validating", "saving a checkpoint", "testing", "predicting")
@@ -131,7 +132,7 @@ def stalled(beats: dict[int, Beat | None], now: float, since: float, timeout: fl
     frozen = {i for i in beats if i not in live or now - live[i].alive > frozen_after}
     if frozen:
         culprit = min(frozen)
-    elif all(b.what == TRAINING and b.point >= 0 and b.progress >= since for b in live.values()):
+    elif all(b.point >= 0 and b.progress >= since for b in live.values()):  # every rank in training
         culprit = min(live, key=lambda i: (live[i].point, last[i], i))  # the one furthest back in the loop
     else:
         culprit = min(last, key=lambda i: (last[i], i))
@@ -195,8 +196,7 @@ class HangWatchdog(Callback):
     # Progress: a few hooks of every loop, each a store into the heartbeat
     def _beat(self, trainer: L.Trainer, what: int, ended: bool = False, phase: int = -1) -> None:
         if self.heart is not None:
-            # batches begun in this fit (Lightning counts it before on_train_batch_start), the same on every rank
-            point = 3 * trainer.fit_loop.epoch_loop.batch_progress.total.ready + phase if phase >= 0 else -1
+            point = 3 * batches_begun(trainer) + phase if phase >= 0 else -1
             self.heart.beat(trainer.global_step, what, point)
             if ended and not self.armed and (what == TRAINING or trainer.state.fn != "fit"):
                 self._since, self.armed = time.monotonic(), True  # not the sanity check's batches, in fit
