@@ -29,6 +29,9 @@ attribute, on a Lightning version where one changed.
   then ``fit_loop.epoch_loop.restarting`` and ``reset_restart_stage`` (``start_the_epoch_loop_afresh``).
 - ``fit_loop.epoch_loop.batch_progress.total.ready``: the training batches begun, where a hung rank stopped
   (``batches_begun``, ``steadfast.hang_watchdog``).
+- ``fit_loop._data_fetcher.batches`` of a ``_PrefetchDataFetcher``: the batches Lightning fetched from the train
+  loaders ahead of training (one, of a loader without a length), not in a checkpoint's loader positions
+  (``batches_fetched_ahead``, ``steadfast.own_positions``).
 - The fit loop's live micro-batch counters (``fit_loop.epoch_loop.batch_progress``: ``current`` and ``total``, each
   ``ready``/``started``/``processed``/``completed``), rescaled on a resume on another number of ranks
   (``rescale_batch_progress``, ``steadfast.resume``).
@@ -249,6 +252,23 @@ def batches_begun(trainer: L.Trainer) -> int:
         return int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
     except AttributeError as error:
         raise LightningChanged(f"fit_loop.epoch_loop.batch_progress.total has no {error.name}") from None
+
+
+def batches_fetched_ahead(trainer: L.Trainer) -> int:
+    """How many batches Lightning's fetcher has taken from the train loaders and not yet handed to training: one
+    during an epoch of a loader without a length (``_PrefetchDataFetcher`` fetches a batch ahead, to know the last
+    one), none at its end or of a sized loader. A loader's ``state_dict()`` read at a save counts them as trained on.
+    Upstream: https://github.com/Lightning-AI/pytorch-lightning/issues/19427 (the position saved is a batch ahead)."""
+    from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher, _PrefetchDataFetcher
+
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", LightningChanged)
+    if fetcher is LightningChanged:
+        raise LightningChanged("fit_loop._data_fetcher is gone")
+    if fetcher is None or isinstance(fetcher, _DataLoaderIterDataFetcher):
+        return 0  # not fetching, or training_step(dataloader_iter) takes each batch itself
+    if not isinstance(fetcher, _PrefetchDataFetcher) or not isinstance(getattr(fetcher, "batches", None), list):
+        raise LightningChanged(f"the fit loop's data fetcher {type(fetcher).__name__} has no list of fetched batches")
+    return len(fetcher.batches)
 
 
 COUNTS = ("ready", "started", "processed", "completed")

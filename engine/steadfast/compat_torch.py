@@ -16,6 +16,8 @@ pytree, gloo); tests/test_compat.py fails, naming the attribute, on a torch vers
 - ``torch.utils._pytree``'s ``tree_map`` and ``tree_leaves`` (``steadfast.export``).
 - ``DataLoader._iterator``, the persistent workers' iterator a loader keeps (``unstarted_copy``,
   ``steadfast.stream_resume``).
+- ``DataLoader.__setattr__``'s refusal of ``sampler`` after ``__init__``, passed by to name the sampler a rebuilt
+  loader's batch sampler draws from (``sampler_of_its_batch_sampler``, ``steadfast.user_loaders``).
 
 On a layout these functions do not know they raise ``LightningChanged`` (``steadfast.compat``).
 """
@@ -143,3 +145,16 @@ def unstarted_copy(loader: Any) -> Any:
     rebuilt = copy.copy(loader)
     rebuilt._iterator = None
     return rebuilt
+
+
+def sampler_of_its_batch_sampler(loader: Any) -> None:
+    """``loader``'s ``sampler``, ``batch_size`` and ``drop_last`` are its ``batch_sampler``'s, as in a ``DataLoader``
+    built with that sampler and batch size (which makes torch's ``BatchSampler`` of them): Lightning rebuilds a
+    loader whose batch sampler is not torch's own (torchdata's ``BatchSampler``) around a new sampler with
+    ``batch_size=None`` and the default ``SequentialSampler`` in ``sampler``, which torch's ``DataLoader`` refuses to
+    change after ``__init__`` (its ``__setattr__`` guard: passed by here)."""
+    batches = loader.batch_sampler
+    drawn = getattr(batches, "sampler", None)
+    if drawn is not None and loader.sampler is not drawn and isinstance(getattr(batches, "batch_size", None), int):
+        for name, value in (("sampler", drawn), ("batch_size", batches.batch_size), ("drop_last", batches.drop_last)):
+            object.__setattr__(loader, name, value)

@@ -67,6 +67,12 @@ class ResumableSampler(DistributedSampler):
         self.skip = 0  # samples of the current epoch already consumed before a resume
 
     def __iter__(self) -> Iterator[int]:
+        # A generator: the order is drawn and ``skip`` used at the first draw, not at ``iter()``. A loader with
+        # workers makes an iterator of its batch sampler and drops it for a second one (torch's ``_reset``), and
+        # torchdata's ``BatchSampler`` calls ``iter()`` on this sampler as soon as it is itself iterated.
+        yield from self._order()
+
+    def _order(self) -> list[int]:
         order = _epoch_order(self, torch.Generator().manual_seed(self.seed + self.epoch))
         total, world = len(order), self.num_replicas
         if self.drop_last:
@@ -78,7 +84,7 @@ class ResumableSampler(DistributedSampler):
         self.skip = 0
         if self.epoch_in_keys:  # the key a dataset seeded per sample decodes (steadfast.sample_seeds)
             mine = mine + self.epoch * len(self.dataset)  # type: ignore[arg-type]
-        return iter(mine.tolist())
+        return mine.tolist()
 
 
 _DRAWS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)  # samplers whose draw ResumableSampler redoes

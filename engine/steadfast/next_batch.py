@@ -31,6 +31,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from steadfast.loaders import ResumableDataLoader, ResumableSampler
+from steadfast.own_positions import OwnPosition
 from steadfast.sample_seeds import seed_per_sample
 from steadfast.stream_resume import StreamLoader
 from steadfast.user_loaders import saves_its_state
@@ -93,6 +94,10 @@ def verdict(trainer: L.Trainer, saved: list[Any] | None, resumed_from_lightning:
     said = []
     for i, (loader, then) in enumerate(zip(loaders, saved, strict=True)):
         checked = _fast_forward_checked(loader)
+        own = _own_position_checked(trainer, loader)
+        if own is not None and own[0] != "verified":
+            return own
+        checked = own[1] if own is not None else checked
         if checked is not None:
             said.append(checked)
             continue
@@ -186,6 +191,37 @@ def _fast_forward_checked(loader: Any) -> str | None:
     samples = sum(position.resumed["samples"])
     return (f"resume verified ({position.name}: read again past the {samples} samples trained on, the stream gave "
             "the batch the checkpoint recorded last)")  # fmt: skip
+
+
+def _own_position_checked(trainer: L.Trainer, loader: Any) -> tuple[str, str] | None:
+    """The verdict on a loader that keeps its own position (``steadfast.own_positions``), resumed at each rank's: its
+    first batch on every rank against the batch the checkpoint's run had fetched next; ``None``: not such a loader,
+    or not resumed at a position. Call it on every rank (it gathers)."""
+    position = getattr(loader, "position", None)
+    if not isinstance(position, OwnPosition) or position.resumed is None:
+        return None
+    expected = position.resumed["next"]
+    code = 2 if expected is None else 0 if position.first == expected else 1  # verified, differs, nothing to compare
+    codes = [code]
+    if trainer.world_size > 1:
+        mine = torch.tensor(code, device=trainer.strategy.root_device)
+        codes = trainer.strategy.all_gather(mine).reshape(-1).tolist()
+    ranks = f" on {len(codes)} ranks" if len(codes) > 1 else ""
+    if 1 in codes:
+        rank = f" on rank {codes.index(1)}" if len(codes) > 1 else ""
+        return "differs", (
+            f"no: {position.name}: its first batch after the resume{rank} differs from the batch the checkpoint's run "
+            "had fetched next (random draws in its workers, or a position its state_dict does not keep)"
+        )
+    if 2 in codes:
+        return "unverified", (
+            f"not verified: {position.name}: the checkpoint's run had fetched no batch ahead of training (a loader "
+            "with a length, or a save at an epoch's end), so the checkpoint holds none to compare its first batch with"
+        )
+    return "verified", (
+        f"resume verified ({position.name}: its first batch{ranks} is the one the checkpoint's run had fetched next, "
+        "resumed at each rank's own state as of the batches trained on)"
+    )
 
 
 def _why_unverifiable(loader: Any, i: int) -> str | None:

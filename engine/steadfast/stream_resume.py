@@ -247,7 +247,7 @@ class StreamResume(Callback):
         if mode not in MODES:
             raise ValueError(f"run.stream_resume ({mode!r}) must be one of {', '.join(MODES)}")
         self.mode = mode
-        self.positions: list[Position] = []
+        self.positions: list[Any] = []  # Position, or own_positions.OwnPosition
         self.saved: list[list[dict[str, Any]]] | None = None  # every rank's positions, from the checkpoint
         self._checked = False
 
@@ -265,16 +265,7 @@ class StreamResume(Callback):
             return loader, "run.stream_resume is restart: a mid-epoch resume restarts that epoch's data"
         ordered = getattr(loader, "in_order", True)  # in_order=False: batches as the workers finish them
         position = Position(name, loader.num_workers, stateful, ordered, lambda: trainer.current_epoch)
-        if self.saved is not None:
-            if len(self.saved) != trainer.world_size:
-                raise ValueError(
-                    f"{name}: the checkpoint holds the stream positions of {len(self.saved)} rank(s), this run has "
-                    f"{trainer.world_size}: each rank reads its own shard, so resume on {len(self.saved)} rank(s), "
-                    "or with --run.stream_resume restart"
-                )
-            mine = self.saved[trainer.global_rank]
-            position.restore = mine[index] if index < len(mine) else None
-        self.positions.append(position)
+        self.attach(position, trainer)
         rebuilt = unstarted_copy(loader)  # the user's loader is left as it is
         rebuilt.__class__ = _stream_class(type(loader))
         here = dataset if loader.num_workers == 0 else None
@@ -282,20 +273,41 @@ class StreamResume(Callback):
         rebuilt.position = position
         return rebuilt, None
 
+    def attach(self, position: Any, trainer: L.Trainer) -> None:
+        """``position`` (a ``Position``, or an ``own_positions.OwnPosition``) is the next train loader's: given this
+        rank's position in the checkpoint, if any."""
+        if self.saved is not None:
+            if len(self.saved) != trainer.world_size:
+                raise ValueError(
+                    f"{position.name}: the checkpoint holds the loader positions of {len(self.saved)} rank(s), this "
+                    f"run has {trainer.world_size}: each rank reads its own share of the data from its own position, "
+                    f"so resume on {len(self.saved)} rank(s)"
+                    + (", or with --run.stream_resume restart" if isinstance(position, Position) else "")
+                )
+            mine = self.saved[trainer.global_rank]
+            index = len(self.positions)
+            position.restore = mine[index] if index < len(mine) else None
+        self.positions.append(position)
+
     def notes(self, trainer: L.Trainer) -> list[str]:
         """What the streams give up, for the start line's opts out: a resume from a checkpoint without their
         positions (written by plain Lightning, an earlier version, or under ``restart``)."""
         if trainer.ckpt_path is None or self.saved is not None or not self.positions:
             return []
         return [f"{p.name}: the checkpoint holds no position of it: a mid-epoch resume restarts that epoch's data"
+                if isinstance(p, Position) else f"{p.name}: the checkpoint holds no position of each rank (plain "
+                "Lightning wrote it): Lightning loads rank 0's into every rank, a batch past the last trained on"
                 for p in self.positions]  # fmt: skip
 
     def describe(self) -> list[str]:
         """What a resume of each stream does (or did), for the start line."""
         out = []
         for i, p in enumerate(self.positions):
+            if not isinstance(p, Position):  # a loader that keeps its own (steadfast.own_positions)
+                out.append(p.describe(len(self.saved) if self.saved else 1))
+                continue
             resumed, ranks = p.resumed, self.saved or []
-            samples = sum(sum(rank[i]["samples"]) for rank in ranks if i < len(rank))  # what all ranks trained on
+            samples = sum(sum(rank[i]["samples"]) for rank in ranks if i < len(rank) and rank[i])  # all ranks
             over = f" over {len(ranks)} ranks" if len(ranks) > 1 else ""
             at = f"{samples} samples of epoch {resumed['epoch']}{over}" if resumed is not None else ""
             if p.stateful:

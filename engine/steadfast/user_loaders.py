@@ -23,8 +23,10 @@ from torch.utils.data import (
 )
 
 from steadfast.compat import loader_with_sampler, uses_distributed_sampler
+from steadfast.compat_torch import sampler_of_its_batch_sampler
 from steadfast.elastic import GlobalBatch
 from steadfast.loaders import ResumableDataLoader, ResumableSampler, check_eval_share, check_train_batch
+from steadfast.own_positions import keep_own
 from steadfast.sample_seeds import can_seed, worker_init
 from steadfast.stream_resume import StreamResume
 
@@ -111,8 +113,12 @@ def engine_loader(
     ``seeded``: a train loader's sampler hands out the keys of a dataset seeded per sample (``sample_seeds``);
     ``streams``: what resumes a train loader over an ``IterableDataset`` where it stopped (``stream_resume``);
     ``batches``: the run's global batch, planned here for a train loader (``elastic.GlobalBatch``)."""
-    if not isinstance(loader, DataLoader) or saves_its_state(loader):
-        return loader, None  # not a DataLoader (Lightning takes it as it is), or one that saves its own state
+    if not isinstance(loader, DataLoader):
+        return loader, None  # Lightning takes it as it is
+    if saves_its_state(loader) and not (_plain_stateful(loader) and _why_not(loader) is None):
+        if split != "train" or streams is None:
+            return loader, None  # an evaluation loader starts afresh each time: its own position is not needed
+        return keep_own(loader, trainer, streams)  # each rank's own position, as of the batches trained on
     ranks = trainer.distributed_sampler_kwargs or {}  # the data-parallel ranks (under sharding, not every rank)
     world, rank = ranks.get("num_replicas", 1), ranks.get("rank", 0)
     train, sampler, sharded = split == "train", loader.sampler, isinstance(trainer.strategy, ModelParallelStrategy)
@@ -155,6 +161,7 @@ def engine_loader(
     if train and batch_size is not None:
         check_train_batch(batch_size, resumable)  # before the padding repeats samples to fill the one short batch
     rebuilt = loader_with_sampler(loader, resumable)
+    sampler_of_its_batch_sampler(rebuilt)  # a StatefulDataLoader's BatchSampler, rebuilt by Lightning
     if train:
         rebuilt.__class__ = _resumable(type(rebuilt))
     elif rebuilt.generator is None:
@@ -169,6 +176,27 @@ def saves_its_state(loader: Any) -> bool:
     return hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")
 
 
+def _plain_stateful(loader: DataLoader) -> bool:
+    """``loader`` is torchdata's ``StatefulDataLoader`` over a map-style dataset: its position is the sampler's (its
+    own ``RandomSampler``/``BatchSampler``), which the engine's sampler takes over, as in a plain ``DataLoader``
+    (exact on another number of ranks, each worker's draws seeded per sample, the first batch checked)."""
+    cls = next((c for c in type(loader).__mro__ if c.__name__ == "StatefulDataLoader"), None)
+    mapped = not isinstance(loader.dataset, IterableDataset)
+    return cls is not None and cls.__module__.startswith("torchdata.") and mapped
+
+
+def _torchdata_plain(part: Any) -> bool:
+    """torchdata's stateful ``RandomSampler`` (a permutation, no replacement) or ``BatchSampler``: a plain shuffle or
+    batching that keeps a count."""
+    cls = type(part)
+    plain = not getattr(part, "replacement", False) and getattr(part, "_num_samples", None) is None
+    return (
+        cls.__module__.startswith("torchdata.stateful_dataloader")
+        and cls.__name__ in ("RandomSampler", "BatchSampler")
+        and plain
+    )
+
+
 def _why_not(loader: DataLoader) -> str | None:
     """Why the engine cannot put its sampler into ``loader`` (``None``: it can)."""
     dataset, sampler, batches = loader.dataset, loader.sampler, loader.batch_sampler
@@ -176,11 +204,11 @@ def _why_not(loader: DataLoader) -> str | None:
         if hasattr(dataset, "state_dict"):
             return f"its IterableDataset {type(dataset).__name__} has a state that Lightning saves of a loader only"
         return f"an IterableDataset ({type(dataset).__name__}) without state_dict"
-    if batches is not None and type(batches) is not BatchSampler:
+    if batches is not None and type(batches) is not BatchSampler and not _torchdata_plain(batches):
         return f"its batch_sampler {type(batches).__name__} is the user's own"
     if hasattr(sampler, "state_dict"):
         return f"its sampler {type(sampler).__name__} has a state that Lightning saves of a loader only"
-    if type(sampler) not in REPLACED:
+    if type(sampler) not in REPLACED and not _torchdata_plain(sampler):
         return f"its sampler {type(sampler).__name__} is the user's own"
     return None
 

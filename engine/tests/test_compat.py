@@ -897,3 +897,60 @@ def test_lightning_ends_an_ended_epoch_again_under_max_steps(tmp_path):
     assert lightning.seen[0][:2] == (1, 2) and len(lightning.seen) == 4  # epoch 1 in epoch 2's order, then stopped
     # epochs 1 and 2: the uninterrupted run's batches, at its logging steps (the loggers' x axis)
     assert rewritten.seen == whole.seen[4:]
+
+
+def test_fit_loop_data_fetcher_batches_holds_the_batch_fetched_ahead_of_a_loader_without_a_length(tmp_path):
+    """``batches_fetched_ahead``: during an epoch of an unsized loader Lightning's fetcher holds one batch more than
+    training took (the position Lightning saves of a stateful loader is a batch ahead); none at its last batch, none
+    of a sized loader."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from steadfast.compat import batches_fetched_ahead
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(torch.randn(5, 32))
+
+    class Probe(L.Callback):
+        seen: list[tuple[int, int]] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen.append((batch_idx, batches_fetched_ahead(trainer)))
+
+    for data, ahead in ((Stream(), [1, 1, 1, 1, 0]), (torch.randn(5, 32), [0] * 5)):
+        Probe.seen = []
+        quiet = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
+        trainer = L.Trainer(max_epochs=1, callbacks=[Probe()], logger=False, default_root_dir=tmp_path, **quiet)
+        trainer.fit(BoringModel(), DataLoader(data, batch_size=1))
+        assert [a for _, a in Probe.seen] == ahead, Probe.seen
+
+
+def test_a_stateful_dataloader_rebuilt_by_lightning_names_the_sampler_its_batch_sampler_draws_from():
+    """``sampler_of_its_batch_sampler``: Lightning rebuilds a torchdata ``StatefulDataLoader`` (its ``BatchSampler``
+    is not torch's) with ``batch_size=None`` and a ``SequentialSampler`` in ``sampler``; torch's ``DataLoader``
+    refuses those attributes after ``__init__``, and after the call they are the batch sampler's."""
+    from torch.utils.data import SequentialSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from steadfast.compat import loader_with_sampler
+    from steadfast.compat_torch import sampler_of_its_batch_sampler
+
+    class Hook(L.LightningDataModule):
+        def train_dataloader(self):
+            return StatefulDataLoader(range(10), batch_size=3, shuffle=True, drop_last=True)
+
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+    from torch.utils.data import DataLoader
+
+    with _replace_dunder_methods(DataLoader, "dataset"):  # as Lightning calls the hook: the arguments recorded
+        loader = Hook().train_dataloader()
+    mine = SequentialSampler(range(10))
+    rebuilt = loader_with_sampler(loader, mine)
+    assert rebuilt.batch_sampler.sampler is mine and isinstance(rebuilt.sampler, SequentialSampler)
+    assert rebuilt.sampler is not mine and rebuilt.batch_size is None
+    with pytest.raises(ValueError, match="sampler"):
+        rebuilt.sampler = mine  # torch's guard, which the function passes by
+    sampler_of_its_batch_sampler(rebuilt)
+    assert (rebuilt.sampler, rebuilt.batch_size, rebuilt.drop_last) == (mine, 3, True)
+    assert [list(b) for b in rebuilt] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]

@@ -1,0 +1,123 @@
+"""Train loaders that keep their own position (torchdata's ``StatefulDataLoader`` over a stream, LitData's
+``StreamingDataLoader``, any loader with ``state_dict``/``load_state_dict`` the engine does not rebuild) resume on
+each rank after the last batch that rank trained on.
+
+Lightning saves such a loader's ``state_dict()`` as a checkpoint is written, rank 0's only, and loads it into every
+rank's loader on a resume. Two things go wrong: its fetcher has already taken the next batch from a loader without a
+length (``_PrefetchDataFetcher`` runs a batch ahead), so the position saved is a batch past the last one trained on
+and a resume skips that batch; and under DDP every rank resumes at rank 0's position. Here the loader's state is read
+after each batch it yields (a deep copy: a few small dicts); a save keeps, per rank, the state as of the last batch
+trained on and a fingerprint of the batch fetched next (``StreamResume`` gathers them into the checkpoint); a resume
+loads each rank's own state into its loader before its first batch (also where Lightning does not: #20550), and
+compares that first batch with the fingerprint (``next_batch``'s verdict, for the start line). A checkpoint resumes
+on the number of ranks that wrote it; on another the run stops in one line before the first step.
+"""
+
+import copy
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from steadfast.compat import batches_fetched_ahead
+from steadfast.compat_torch import unstarted_copy
+from steadfast.stream_resume import StreamResume, fingerprint
+
+KEEP = 4  # the states of the last few batches yielded: Lightning's fetcher holds at most one ahead
+
+
+class OwnPosition:
+    """One such loader's position on this rank: the states after its last few batches, what a resume loads."""
+
+    def __init__(self, name: str, workers: int, fetched_ahead: Callable[[], int], epoch_of: Callable[[], int]) -> None:
+        self.name, self.workers, self.fetched_ahead, self.epoch_of = name, workers, fetched_ahead, epoch_of
+        self.recent: deque[tuple[Any, int | None]] = deque(maxlen=KEEP)  # (state after a batch, its fingerprint)
+        self.restore: dict[str, Any] | None = None  # this rank's position in the checkpoint, until loaded
+        self.resumed: dict[str, Any] | None = None  # the position this run resumed at
+        self.first: int | None = None  # the fingerprint of the first batch after the resume
+        self.problem = None  # StreamResume's stop: a difference here is reported, not stopped on
+
+    @property
+    def taken(self) -> dict[str, Any] | None:
+        """What a save keeps: the loader's state as of the last batch trained on, the batch fetched next."""
+        if not self.recent:
+            return None  # not iterated yet: Lightning's own state_dict of the loader holds its start
+        entries, ahead = list(self.recent), self.fetched_ahead()
+        state, _ = entries[max(len(entries) - 1 - ahead, 0)]
+        following = entries[len(entries) - ahead][1] if 0 < ahead < len(entries) else None
+        return {"state": state, "next": following}
+
+    def take(self, count: int) -> None:
+        """``StreamResume``'s per-batch call: the fetcher's lookahead, read at the save, says what was taken."""
+
+    def describe(self, ranks: int) -> str:
+        """What a resume of it does (or did), for the start line."""
+        whose = "each rank's own state_dict" if ranks > 1 else "its own state_dict"
+        if self.resumed is not None:
+            return f"{self.name}: resumed at {whose} as of the batches trained on"
+        return f"{self.name}: a resume loads {whose} as of the batches trained on (not a batch ahead)"
+
+
+class KeepsOwnPosition(DataLoader):
+    """In front of the user's loader class (a ``DataLoader`` subclass, for the instance's layout): records the state
+    after each batch, loads this rank's on a resume. ``position`` is a class attribute: Lightning re-creates a loader
+    (to put in its ``DistributedSampler``) from its class."""
+
+    position: OwnPosition
+    own_generator = False  # the user gave no generator: one is seeded per epoch here
+
+    def __iter__(self) -> Iterator[Any]:
+        position = self.position
+        if self.generator is None or self.own_generator:
+            # torch draws each iterator's worker base seed from ``generator``, else from the global generator that
+            # dropout uses: a resume restores that one, and would draw again (a loader with a length starts its
+            # iterator after the restore), shifting every draw after it; as ``loaders.ResumableDataLoader``
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            self.generator = torch.Generator().manual_seed(seed + 7919 * (position.epoch_of() + 1))
+            self.own_generator = True
+        restore, position.restore = position.restore, None
+        if restore is not None:
+            position.resumed = restore
+            super().load_state_dict(copy.deepcopy(restore["state"]))  # type: ignore[misc]
+        batches = super().__iter__()  # type: ignore[misc]
+        position.recent.clear()
+        position.recent.append((copy.deepcopy(super().state_dict()), None))  # type: ignore[misc]  # its start
+        for batch in batches:
+            if restore is not None and position.first is None:
+                position.first = fingerprint(batch)
+            position.recent.append((copy.deepcopy(super().state_dict()), fingerprint(batch)))  # type: ignore[misc]
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        taken = self.position.taken
+        return taken["state"] if taken is not None else super().state_dict()  # type: ignore[misc]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.position.restore is None and self.position.resumed is None:
+            super().load_state_dict(state)  # type: ignore[misc]  # a checkpoint without this rank's: Lightning's
+        # else this rank's own position, loaded as the iterator starts, stands for rank 0's that Lightning saved
+
+
+def keep_own(loader: Any, trainer: L.Trainer, streams: StreamResume) -> tuple[Any, str | None]:
+    """A copy of ``loader`` (the user's is left as it is) resuming each rank at its own position as of the batches
+    trained on, its position kept by ``streams``; and what it gives up, for the start line (``None``: nothing)."""
+    workers = getattr(loader, "num_workers", 0)
+    position = OwnPosition(f"train loader {len(streams.positions)} ({type(loader).__name__})", workers,
+                           lambda: batches_fetched_ahead(trainer), lambda: trainer.current_epoch)  # fmt: skip
+    streams.attach(position, trainer)
+    note = None
+    if workers:
+        note = (
+            f"random draws in its {workers} workers (augmentation) start again from the workers' seeds on a resume: "
+            f"{type(loader).__name__}'s state_dict keeps no generator state (each resume checks its first batch)"
+        )
+    rebuilt = unstarted_copy(loader)
+    cls = type(loader)
+    rebuilt.__class__ = type(
+        cls.__name__, (KeepsOwnPosition, cls), {"__module__": cls.__module__, "position": position}
+    )
+    return rebuilt, note
