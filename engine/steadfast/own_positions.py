@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.data import has_len
 from torch.utils.data import DataLoader
 
 from steadfast.compat import batches_fetched_ahead
@@ -109,12 +110,19 @@ def keep_own(loader: Any, trainer: L.Trainer, streams: StreamResume) -> tuple[An
     position = OwnPosition(f"train loader {len(streams.positions)} ({type(loader).__name__})", workers,
                            lambda: batches_fetched_ahead(trainer), lambda: trainer.current_epoch)  # fmt: skip
     streams.attach(position, trainer)
-    note = None
-    if workers:
-        note = (
-            f"random draws in its {workers} workers (augmentation) start again from the workers' seeds on a resume: "
-            f"{type(loader).__name__}'s state_dict keeps no generator state (each resume checks its first batch)"
+    notes, sized = [], has_len(loader)
+    if sized:  # the check needs the batch Lightning fetched ahead, which it does only of a loader without a length
+        notes.append(
+            f"{type(loader).__name__} has a length, so Lightning fetches no batch of it ahead of training: a resume "
+            "at each rank's own position cannot check its first batch against the checkpoint's"
         )
+    if workers:
+        checked = "" if sized else " (each resume checks its first batch)"
+        notes.append(
+            f"random draws in its {workers} workers (augmentation) start again from the workers' seeds on a resume: "
+            f"{type(loader).__name__}'s state_dict keeps no generator state{checked}"
+        )
+    note = "; ".join(notes) or None
     rebuilt = unstarted_copy(loader)
     cls = type(loader)
     rebuilt.__class__ = type(

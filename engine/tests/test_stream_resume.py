@@ -170,7 +170,14 @@ def test_a_resumed_loader_hands_out_its_workers_batches_in_the_uninterrupted_ord
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("source", "workers"), [("tokens", "0"), ("tokens", "2"), ("hf", "0"), ("hf", "2")], ids=lambda x: x
+    ("source", "workers"),
+    [
+        ("tokens", "0"),
+        pytest.param("tokens", "2", marks=pytest.mark.long),
+        pytest.param("hf", "0", marks=pytest.mark.long),
+        ("hf", "2"),
+    ],
+    ids=lambda x: x,
 )
 def test_a_killed_fit_of_a_loader_that_keeps_its_own_position_resumes_after_the_last_batch_trained_on(
     source, workers, tmp_path
@@ -218,7 +225,7 @@ def test_a_killed_two_rank_fit_of_a_stateful_loader_resumes_each_rank_at_its_own
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", ["0", "2"])
+@pytest.mark.parametrize("workers", [pytest.param("0", marks=pytest.mark.long), "2"])
 def test_a_killed_fit_of_a_map_style_dataset_in_a_stateful_dataloader_resumes_in_the_engines_order(workers, tmp_path):
     """torchdata's ``StatefulDataLoader`` over a map-style dataset with ``shuffle=True``: its position is its
     sampler's, which the engine's takes over as in a plain ``DataLoader`` (on 2 ranks Lightning handed every rank
@@ -232,7 +239,7 @@ def test_a_killed_fit_of_a_map_style_dataset_in_a_stateful_dataloader_resumes_in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", ["0", "2"])
+@pytest.mark.parametrize("workers", ["0", pytest.param("2", marks=pytest.mark.long)])
 def test_a_killed_fit_of_litdatas_streaming_loader_resumes_after_the_last_batch_trained_on(workers, tmp_path):
     """LitData's ``StreamingDataset`` in its ``StreamingDataLoader`` (it has a length: Lightning fetches nothing
     ahead, so the checkpoint holds no next batch to compare the first with, and the start line says so)."""
@@ -240,10 +247,11 @@ def test_a_killed_fit_of_litdatas_streaming_loader_resumes_after_the_last_batch_
     *seen, line, _ = killed_and_resumed(tmp_path, 30, 27, *flags)
     assert seen == [0, 0, 0, 0.0], seen
     assert "exact resume: not verified: train loader 0 (StreamingDataLoader): the checkpoint's run had fetched" in line
+    assert "opts out: train loader 0: StreamingDataLoader has a length, so Lightning fetches no batch" in line, line
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", ["0", "2"])
+@pytest.mark.parametrize("workers", ["0", pytest.param("2", marks=pytest.mark.long)])
 def test_a_killed_fit_of_a_hugging_face_stream_in_a_plain_dataloader_resumes_at_each_workers_state(workers, tmp_path):
     """A Hugging Face ``datasets`` stream (4 shards) in a plain ``DataLoader``: its own ``state_dict``, read in each
     loader worker after each batch (Lightning saves a loader's state only: the epoch restarted, 800 samples twice)."""
@@ -254,6 +262,7 @@ def test_a_killed_fit_of_a_hugging_face_stream_in_a_plain_dataloader_resumes_at_
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_shuffled_hugging_face_stream_whose_state_leaves_out_its_buffer_resumes_and_says_no(tmp_path):
     """``.shuffle(seed, buffer_size)``: Hugging Face's ``state_dict`` keeps the shards' position, not the samples in
     the shuffle buffer (its docs say so), so the resumed stream gives other samples. The engine cannot make that exact:
