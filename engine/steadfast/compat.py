@@ -32,6 +32,10 @@ attribute, on a Lightning version where one changed.
 - ``fit_loop._data_fetcher.batches`` of a ``_PrefetchDataFetcher``: the batches Lightning fetched from the train
   loaders ahead of training (one, of a loader without a length), not in a checkpoint's loader positions
   (``batches_fetched_ahead``, ``steadfast.own_positions``).
+- ``fit_loop._combined_loader_states_to_load`` and ``_combined_loader`` (``CombinedLoader._load_state_dicts``, what
+  ``fit_loop._load_combined_loader_states`` calls): the train loaders' saved
+  positions, which Lightning leaves unloaded when ``configure_optimizers`` read ``estimated_stepping_batches``
+  (Lightning #20550), loaded at ``on_train_start`` (``load_the_loader_states_lightning_left``, ``steadfast.resume``).
 - The fit loop's live micro-batch counters (``fit_loop.epoch_loop.batch_progress``: ``current`` and ``total``, each
   ``ready``/``started``/``processed``/``completed``), rescaled on a resume on another number of ranks
   (``rescale_batch_progress``, ``steadfast.resume``).
@@ -254,11 +258,31 @@ def batches_begun(trainer: L.Trainer) -> int:
         raise LightningChanged(f"fit_loop.epoch_loop.batch_progress.total has no {error.name}") from None
 
 
+def load_the_loader_states_lightning_left(trainer: L.Trainer) -> bool:
+    """Loads the train loaders' positions from the checkpoint into them if Lightning has not; returns whether it
+    did. A ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` (``OneCycleLR``'s
+    ``total_steps``, as its docs show) has Lightning build the loaders before it restores the checkpoint, and its
+    second ``setup_data`` returns early, so the positions it read are never loaded and the epoch restarts
+    (https://github.com/Lightning-AI/pytorch-lightning/issues/20550; its fix, PR #21765, is open). Call it at
+    ``on_train_start``, before the first batch is fetched from a loader with a length (its iterator is a
+    generator that reads the position then)."""
+    fit = trainer.fit_loop
+    pending = getattr(fit, "_combined_loader_states_to_load", LightningChanged)
+    combined = getattr(fit, "_combined_loader", LightningChanged)
+    if pending is LightningChanged or combined is LightningChanged:
+        raise LightningChanged("fit_loop._combined_loader_states_to_load / _combined_loader are gone")
+    if not pending or combined is None:
+        return False
+    combined._load_state_dicts(pending)  # what fit_loop._load_combined_loader_states does, unless not restarting
+    fit._combined_loader_states_to_load = []
+    return True
+
+
 def batches_fetched_ahead(trainer: L.Trainer) -> int:
     """How many batches Lightning's fetcher has taken from the train loaders and not yet handed to training: one
     during an epoch of a loader without a length (``_PrefetchDataFetcher`` fetches a batch ahead, to know the last
     one), none at its end or of a sized loader. A loader's ``state_dict()`` read at a save counts them as trained on.
-    Upstream: https://github.com/Lightning-AI/pytorch-lightning/issues/19427 (the position saved is a batch ahead)."""
+    Upstream: the report to file is in the template's docs/upstream.md (related: Lightning #20550, #18135)."""
     from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher, _PrefetchDataFetcher
 
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", LightningChanged)

@@ -8,9 +8,10 @@ length (``_PrefetchDataFetcher`` runs a batch ahead), so the position saved is a
 and a resume skips that batch; and under DDP every rank resumes at rank 0's position. Here the loader's state is read
 after each batch it yields (a deep copy: a few small dicts); a save keeps, per rank, the state as of the last batch
 trained on and a fingerprint of the batch fetched next (``StreamResume`` gathers them into the checkpoint); a resume
-loads each rank's own state into its loader before its first batch (also where Lightning does not: #20550), and
-compares that first batch with the fingerprint (``next_batch``'s verdict, for the start line). A checkpoint resumes
-on the number of ranks that wrote it; on another the run stops in one line before the first step.
+loads each rank's own state into its loader as its iterator starts (Lightning's call, which would load rank 0's,
+is passed by), and compares that first batch with the fingerprint (``next_batch``'s verdict, for the start line).
+A checkpoint resumes on the number of ranks that wrote it; on another the run stops in one line before the first
+step.
 """
 
 import copy

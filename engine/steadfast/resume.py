@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torchmetrics import Metric
 
 from steadfast.compat import (
+    load_the_loader_states_lightning_left,
     reopen_an_epoch_stopped_mid_way,
     rescale_batch_progress,
     start_the_epoch_after_an_ended_one,
@@ -218,6 +219,7 @@ class ExactResume(Callback):
             start_the_epoch_loop_afresh(trainer)
             self._epoch_loop_afresh = False
         if trainer.ckpt_path is not None:
+            load_the_loader_states_lightning_left(trainer)  # after estimated_stepping_batches (Lightning #20550)
             watch(trainer)  # its first batch, for ``verify``
         resized = self.batches.resized
         if resized is not None and resized[0] != resized[1]:

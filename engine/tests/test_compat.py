@@ -954,3 +954,45 @@ def test_a_stateful_dataloader_rebuilt_by_lightning_names_the_sampler_its_batch_
     sampler_of_its_batch_sampler(rebuilt)
     assert (rebuilt.sampler, rebuilt.batch_size, rebuilt.drop_last) == (mine, 3, True)
     assert [list(b) for b in rebuilt] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
+def test_fit_loop_leaves_loader_states_unloaded_after_estimated_stepping_batches_and_the_engine_loads_them(tmp_path):
+    """Lightning #20550 by name: a ``configure_optimizers`` reading ``estimated_stepping_batches`` builds the train
+    loaders before the checkpoint is restored; ``fit_loop._combined_loader_states_to_load`` then still holds the
+    saved position at ``on_train_start``, and ``load_the_loader_states_lightning_left`` loads it."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from torch.utils.data import DataLoader
+
+    from steadfast.compat import load_the_loader_states_lightning_left
+
+    class Loader(DataLoader):
+        loaded: list = []
+
+        def state_dict(self):
+            return {"at": 2}
+
+        def load_state_dict(self, state):
+            Loader.loaded.append(state)
+
+    class Counting(BoringModel):
+        def configure_optimizers(self):
+            self.trainer.estimated_stepping_batches  # noqa: B018
+            return super().configure_optimizers()
+
+        def train_dataloader(self):
+            return Loader(torch.randn(8, 32), batch_size=2)
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.pending = list(trainer.fit_loop._combined_loader_states_to_load)
+            self.did = load_the_loader_states_lightning_left(trainer)
+
+    quiet = {"enable_progress_bar": False, "enable_model_summary": False, "logger": False}
+    # max_epochs: with max_steps alone estimated_stepping_batches counts no loader
+    L.Trainer(max_epochs=1, limit_train_batches=2, default_root_dir=tmp_path, **quiet).fit(Counting())
+    (ckpt,) = tmp_path.rglob("*.ckpt")
+    probe = Probe()
+    again = L.Trainer(max_epochs=2, limit_train_batches=2, default_root_dir=tmp_path, callbacks=[probe], **quiet)
+    again.fit(Counting(), ckpt_path=ckpt)
+    assert probe.pending == [{"at": 2}] and probe.did  # Lightning left it; the engine loaded it
+    assert Loader.loaded == [{"at": 2}]

@@ -273,3 +273,19 @@ def test_a_shuffled_hugging_face_stream_whose_state_leaves_out_its_buffer_resume
     assert twice + skipped > 0  # the oracle: Hugging Face's own resume of a shuffle buffer is not exact
     assert ("exact resume: no: train loader 0 (StatefulDataLoader): its first batch after the resume differs from the "
             "batch the checkpoint's run had fetched next") in line, line  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [["--data.source", "map", "--trainer.max_epochs", "2"],
+     ["--data.source", "tokens", "--data.loader", "stateful", "--data.state", "true", "--trainer.max_steps", "50"]],
+    ids=["map-dataloader", "stream-statefuldataloader"],
+)  # fmt: skip
+def test_a_module_that_reads_estimated_stepping_batches_resumes_its_loaders_exactly(flags, tmp_path):
+    """``OneCycleLR(total_steps=trainer.estimated_stepping_batches)`` in ``configure_optimizers``: Lightning builds the
+    train loaders before it restores the checkpoint and then never loads their saved state (Lightning #20550). The
+    engine's loaders and those that keep their own position load theirs as their iterator starts."""
+    *seen, line, _ = killed_and_resumed(tmp_path, 30, 27, "--model.one_cycle", "true", *flags)
+    assert seen == [0, 0, 0, 0.0], seen
+    assert "exact resume: resume verified" in line, line
