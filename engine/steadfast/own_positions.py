@@ -9,9 +9,10 @@ and a resume skips that batch; and under DDP every rank resumes at rank 0's posi
 after each batch it yields (a deep copy: a few small dicts); a save keeps, per rank, the state as of the last batch
 trained on and a fingerprint of the batch fetched next (``StreamResume`` gathers them into the checkpoint); a resume
 loads each rank's own state into its loader as its iterator starts (Lightning's call, which would load rank 0's,
-is passed by), and compares that first batch with the fingerprint (``next_batch``'s verdict, for the start line).
-A checkpoint resumes on the number of ranks that wrote it; on another the run stops in one line before the first
-step.
+is passed by), and compares its first batch with the fingerprint: another batch (a state that leaves out a shuffle
+buffer, workers' random draws) stops the run in one line before training on it, unless ``run.stream_resume`` is
+``as_saved`` (``next_batch``'s verdict then says ``no``). A checkpoint resumes on the number of ranks that wrote
+it; on another the run stops in one line before the first step.
 """
 
 import copy
@@ -35,13 +36,16 @@ KEEP = 4  # the states of the last few batches yielded: Lightning's fetcher hold
 class OwnPosition:
     """One such loader's position on this rank: the states after its last few batches, what a resume loads."""
 
-    def __init__(self, name: str, workers: int, fetched_ahead: Callable[[], int], epoch_of: Callable[[], int]) -> None:
+    def __init__(
+        self, name: str, workers: int, fetched_ahead: Callable[[], int], epoch_of: Callable[[], int], strict: bool
+    ) -> None:
         self.name, self.workers, self.fetched_ahead, self.epoch_of = name, workers, fetched_ahead, epoch_of
+        self.strict = strict  # another first batch than the checkpoint's next stops the run (unless as_saved)
         self.recent: deque[tuple[Any, int | None]] = deque(maxlen=KEEP)  # (state after a batch, its fingerprint)
         self.restore: dict[str, Any] | None = None  # this rank's position in the checkpoint, until loaded
         self.resumed: dict[str, Any] | None = None  # the position this run resumed at
         self.first: int | None = None  # the fingerprint of the first batch after the resume
-        self.problem = None  # StreamResume's stop: a difference here is reported, not stopped on
+        self.problem: str | None = None  # StreamResume stops the run on it, before the first step
 
     @property
     def taken(self) -> dict[str, Any] | None:
@@ -55,6 +59,16 @@ class OwnPosition:
 
     def take(self, count: int) -> None:
         """``StreamResume``'s per-batch call: the fetcher's lookahead, read at the save, says what was taken."""
+
+    def compare(self, restore: dict[str, Any]) -> None:
+        """A first batch after the resume other than the one the checkpoint's run fetched next is a problem."""
+        if self.strict and restore["next"] is not None and self.first != restore["next"]:
+            self.problem = (
+                f"{self.name}: its first batch after the resume differs from the batch the checkpoint's run had "
+                "fetched next: its state_dict does not bring back what it gave (a shuffle buffer, random draws in "
+                "its workers). Nothing was trained. Resume with --run.stream_resume as_saved to continue from its "
+                "own state anyway (not exactly: the start line says so)"
+            )
 
     def describe(self, ranks: int) -> str:
         """What a resume of it does (or did), for the start line."""
@@ -91,6 +105,7 @@ class KeepsOwnPosition(DataLoader):
         for batch in batches:
             if restore is not None and position.first is None:
                 position.first = fingerprint(batch)
+                position.compare(restore)
             position.recent.append((copy.deepcopy(super().state_dict()), fingerprint(batch)))  # type: ignore[misc]
             yield batch
 
@@ -109,7 +124,8 @@ def keep_own(loader: Any, trainer: L.Trainer, streams: StreamResume) -> tuple[An
     trained on, its position kept by ``streams``; and what it gives up, for the start line (``None``: nothing)."""
     workers = getattr(loader, "num_workers", 0)
     position = OwnPosition(f"train loader {len(streams.positions)} ({type(loader).__name__})", workers,
-                           lambda: batches_fetched_ahead(trainer), lambda: trainer.current_epoch)  # fmt: skip
+                           lambda: batches_fetched_ahead(trainer), lambda: trainer.current_epoch,
+                           strict=streams.mode != "as_saved")  # fmt: skip
     streams.attach(position, trainer)
     notes, sized = [], has_len(loader)
     if sized:  # the check needs the batch Lightning fetched ahead, which it does only of a loader without a length

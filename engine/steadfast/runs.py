@@ -70,7 +70,10 @@ class Runs:
             worker and rank, without training on them, and checks the samples after them against the checkpoint's
             fingerprint (a stream whose order is not a function of the seed and epoch stops there in one line);
             ``restart`` starts that epoch's data again (samples trained on are trained on twice)
-            (``steadfast.stream_resume``).
+            (``steadfast.stream_resume``). A loader that keeps its own position (``StatefulDataLoader``) resumes
+            at each rank's, and a first batch other than the one the checkpoint's run fetched next stops the run
+            in one line, unless ``as_saved``: it continues from the loader's own state, not exactly
+            (``steadfast.own_positions``).
     """
 
     def __init__(
@@ -84,7 +87,7 @@ class Runs:
         test_after_fit: bool = False,
         hang_timeout: float | None = 300.0,
         seed_per_sample: bool = True,
-        stream_resume: Literal["fast_forward", "restart"] = "fast_forward",
+        stream_resume: Literal["fast_forward", "restart", "as_saved"] = "fast_forward",
     ) -> None:
         if name is not None and (not name or "/" in name or name in (".", "..")):
             raise ValueError(f"run.name ({name!r}) must be one folder name, without '/'")

@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from steadfast.compat_torch import tree_leaves, unstarted_copy
 
-MODES = ("fast_forward", "restart")
+MODES = ("fast_forward", "restart", "as_saved")  # as_saved: as fast_forward, and see own_positions
 
 
 def has_state(dataset: Any) -> bool:
@@ -335,8 +335,8 @@ class StreamResume(Callback):
         if trainer.world_size > 1:
             anywhere = trainer.strategy.reduce_boolean_decision(anywhere, all=False)
         if anywhere:
-            raise ValueError(problem or "another rank's train stream gave other samples after its fast-forward "
-                             "than the checkpoint recorded: resume with --run.stream_resume restart")  # fmt: skip
+            raise ValueError(problem or "another rank's train loader gave other samples after the resume than the "
+                             "checkpoint recorded (that rank's log names it, and the setting for it)")  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         if not self.positions:

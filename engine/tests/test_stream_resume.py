@@ -263,16 +263,26 @@ def test_a_killed_fit_of_a_hugging_face_stream_in_a_plain_dataloader_resumes_at_
 
 @pytest.mark.slow
 @pytest.mark.long
-def test_a_shuffled_hugging_face_stream_whose_state_leaves_out_its_buffer_resumes_and_says_no(tmp_path):
+def test_a_shuffled_hugging_face_stream_whose_state_leaves_out_its_buffer_stops_until_the_user_accepts(tmp_path):
     """``.shuffle(seed, buffer_size)``: Hugging Face's ``state_dict`` keeps the shards' position, not the samples in
-    the shuffle buffer (its docs say so), so the resumed stream gives other samples. The engine cannot make that exact:
-    the start line says ``no`` at the first batch, from the fingerprint of the batch the checkpoint's run fetched
-    next, and the run continues (nothing is lost; the data the buffer held is skipped, as Hugging Face documents)."""
+    the shuffle buffer (its docs say so), so the resumed stream gives other samples. The resume stops in one line at
+    its first batch, before training on it (the fingerprint of the batch the checkpoint's run fetched next differs);
+    ``--run.stream_resume as_saved`` continues from the stream's own state, and its start line says ``no``."""
     flags = ["--trainer.max_epochs", "2", "--data.loader", "stateful", "--data.source", "hf_shuffled"]
-    twice, skipped, _, _, line, _ = killed_and_resumed(tmp_path, 30, 27, *flags)
-    assert twice + skipped > 0  # the oracle: Hugging Face's own resume of a shuffle buffer is not exact
-    assert ("exact resume: no: train loader 0 (StatefulDataLoader): its first batch after the resume differs from the "
-            "batch the checkpoint's run had fetched next") in line, line  # fmt: skip
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    args = [*config(tmp_path), *flags, *record(resumed)]
+    assert cli("fit", *args, *kill_at(30, settle=True), cwd=resumed, check=False).returncode != 0
+    assert last(resumed)["global_step"] == 27
+    proc = cli("fit", *args, "--ckpt_path", "last", cwd=resumed, check=False)
+    assert proc.returncode != 0
+    assert ("error: train loader 0 (StatefulDataLoader): its first batch after the resume differs from the batch the "
+            "checkpoint's run had fetched next") in proc.stderr, proc.stderr[-3000:]  # fmt: skip
+    assert "Traceback" not in proc.stderr and last(resumed)["global_step"] == 27  # nothing trained, nothing saved
+    proc = cli("fit", *args, "--ckpt_path", "last", "--run.stream_resume", "as_saved", cwd=resumed)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
+    assert "exact resume: no: train loader 0 (StatefulDataLoader): its first batch after the resume differs" in line
+    assert last(resumed)["global_step"] > 27
 
 
 @pytest.mark.slow
