@@ -76,7 +76,7 @@ What it guarantees, and what user code does to get each guarantee:
   layout it does not know, the engine stops in one line naming the attribute and the version.
 """
 
-__version__ = "1.2.0"  # engine/pyproject.toml's; CHANGELOG.md says what each version changes for users
+__version__ = "1.4.0"  # engine/pyproject.toml's; CHANGELOG.md says what each version changes for users
 
 # The public names (docs/engine.md), imported when first used: `import steadfast` alone builds no CLI.
 _PUBLIC = {

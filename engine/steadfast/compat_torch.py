@@ -18,6 +18,9 @@ pytree, gloo); tests/test_compat.py fails, naming the attribute, on a torch vers
   ``steadfast.stream_resume``).
 - ``DataLoader.__setattr__``'s refusal of ``sampler`` after ``__init__``, passed by to name the sampler a rebuilt
   loader's batch sampler draws from (``sampler_of_its_batch_sampler``, ``steadfast.user_loaders``).
+- ``DataLoader._index_sampler``, the property its iterators read once to draw each batch's indices from (the batch
+  sampler, or the sampler without automatic batching): ``index_sampler``; ``steadfast.own_orders`` puts one of its
+  own in front of it.
 
 On a layout these functions do not know they raise ``LightningChanged`` (``steadfast.compat``).
 """
@@ -30,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from steadfast.compat import LightningChanged
 
@@ -158,3 +162,12 @@ def sampler_of_its_batch_sampler(loader: Any) -> None:
     if drawn is not None and loader.sampler is not drawn and isinstance(getattr(batches, "batch_size", None), int):
         for name, value in (("sampler", drawn), ("batch_size", batches.batch_size), ("drop_last", batches.drop_last)):
             object.__setattr__(loader, name, value)
+
+
+def index_sampler(loader: Any) -> Any:
+    """What ``loader``'s iterators draw each batch's indices from (torch's ``DataLoader._index_sampler``, a property a
+    subclass can put its own in front of)."""
+    prop = DataLoader.__dict__.get("_index_sampler")
+    if not isinstance(prop, property):
+        raise LightningChanged("torch.utils.data.DataLoader._index_sampler (its iterators' index sampler) is gone")
+    return prop.fget(loader)  # type: ignore[misc]

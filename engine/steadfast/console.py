@@ -33,6 +33,12 @@ SILENCED_WARNINGS: list[tuple[str, type[Warning]]] = [
     (r"The dirpath has changed from ", UserWarning),
     # fit --ckpt_path last continues the run's own folder, checkpoints included, on purpose
     (r"Checkpoint directory .* exists and is not empty\.", UserWarning),
+    # the engine keeps the positions of plain train loaders itself (streams, the user's own samplers): the start line
+    # says what a resume did with each, and names one that restarts its epoch under opts out
+    (
+        r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable",
+        PossibleUserWarning,
+    ),
     # configs/default.yaml logs every 50 steps (fewer host-device syncs), more than a small data set's batches an
     # epoch: such runs would all say this, and it misleads: Lightning logs every 50 global steps, across epochs
     (

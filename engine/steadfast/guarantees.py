@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import CombinedLoader
 
 from steadfast.checkpoint_policy import CheckpointPolicy
 from steadfast.loaders import ResumableDataLoader, ResumableSampler
+from steadfast.own_orders import ReplaysOwnOrder
 from steadfast.resume import ExactResume
 from steadfast.runs import RunPlan
 from steadfast.speed import SpeedSwitch
@@ -124,7 +125,7 @@ class Guarantees(Callback):
         notes = self._loader_notes()
         out += notes.get("train", [])
         out += self.streams.notes(trainer) if self.streams is not None else []
-        kept = [dl for dl in loaders if saves_its_state(dl) or isinstance(dl, StreamLoader)]  # a position saved
+        kept = [dl for dl in loaders if saves_its_state(dl) or isinstance(dl, StreamLoader | ReplaysOwnOrder)]
         if len(kept) < len(loaders) and not notes.get("train"):
             out.append("a train loader not from a hook (given to fit): a mid-epoch resume restarts that epoch's data")
         elif any(isinstance(dl, ResumableDataLoader) and type(dl.sampler) is not ResumableSampler for dl in loaders):

@@ -28,13 +28,14 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities import CombinedLoader
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from steadfast.loaders import ResumableDataLoader, ResumableSampler
+from steadfast.own_orders import OwnOrder
 from steadfast.own_positions import OwnPosition
 from steadfast.sample_seeds import seed_per_sample
 from steadfast.stream_resume import StreamLoader
-from steadfast.user_loaders import saves_its_state
+from steadfast.user_loaders import own_order, saves_its_state
 
 # A record is one int64 tensor: these fields, then the n sample indices, then the n sample hashes.
 FIELDS = ("epoch", "place", "rank", "world", "size", "how", "whole", "n")
@@ -194,11 +195,12 @@ def _fast_forward_checked(loader: Any) -> str | None:
 
 
 def _own_position_checked(trainer: L.Trainer, loader: Any) -> tuple[str, str] | None:
-    """The verdict on a loader that keeps its own position (``steadfast.own_positions``), resumed at each rank's: its
-    first batch on every rank against the batch the checkpoint's run had fetched next; ``None``: not such a loader,
-    or not resumed at a position. Call it on every rank (it gathers)."""
+    """The verdict on a loader that keeps its own position (``steadfast.own_positions``) or order
+    (``steadfast.own_orders``), resumed at each rank's: its first batch on every rank against the batch the
+    checkpoint's run had fetched next; ``None``: not such a loader, or not resumed at a position. Call it on every
+    rank (it gathers)."""
     position = getattr(loader, "position", None)
-    if not isinstance(position, OwnPosition) or position.resumed is None:
+    if not isinstance(position, OwnPosition | OwnOrder) or position.resumed is None:
         return None
     expected = position.resumed["next"]
     code = 2 if expected is None else 0 if position.first == expected else 1  # verified, differs, nothing to compare
@@ -208,20 +210,14 @@ def _own_position_checked(trainer: L.Trainer, loader: Any) -> tuple[str, str] | 
         codes = trainer.strategy.all_gather(mine).reshape(-1).tolist()
     ranks = f" on {len(codes)} ranks" if len(codes) > 1 else ""
     if 1 in codes:
-        rank = f" on rank {codes.index(1)}" if len(codes) > 1 else ""
-        return "differs", (
-            f"no: {position.name}: its first batch after the resume{rank} differs from the batch the checkpoint's run "
-            "had fetched next (random draws in its workers, or a position its state_dict does not keep)"
-        )
+        return "differs", f"no: {position.differs(f' on rank {codes.index(1)}' if len(codes) > 1 else '')}"
     if 2 in codes:
         return "unverified", (
             f"not verified: {position.name}: the checkpoint's run had fetched no batch ahead of training (a loader "
-            "with a length, or a save at an epoch's end), so the checkpoint holds none to compare its first batch with"
+            "with a length, or a save at an epoch's end), so the checkpoint holds none to compare "
+            f"{position.checked} with"
         )
-    return "verified", (
-        f"resume verified ({position.name}: its first batch{ranks} is the one the checkpoint's run had fetched next, "
-        "resumed at each rank's own state as of the batches trained on)"
-    )
+    return "verified", f"resume verified ({position.verified(ranks)})"
 
 
 def _why_unverifiable(loader: Any, i: int) -> str | None:
@@ -237,9 +233,9 @@ def _why_unverifiable(loader: Any, i: int) -> str | None:
         return f"{cannot} streams an IterableDataset ({type(loader.dataset).__name__}): its next batch has no index"
     if isinstance(loader, ResumableDataLoader):
         return f"{cannot}: overfit_batches' {type(loader.sampler).__name__} is not the engine's sampler"
-    batches = loader.batch_sampler
-    own = loader.sampler if batches is None or type(batches) is BatchSampler else batches
-    return f"{cannot}: its {type(own).__name__} is the user's own, whose order the engine cannot replay"
+    if isinstance(getattr(loader, "position", None), OwnOrder):
+        return f"{cannot}: its {type(own_order(loader)).__name__} draws the next epoch's order, unchecked"
+    return f"{cannot}: its {type(own_order(loader)).__name__} is the user's own, whose order the engine cannot replay"
 
 
 def _batch_size(loader: ResumableDataLoader) -> int:

@@ -36,6 +36,9 @@ KEEP = 4  # the states of the last few batches yielded: Lightning's fetcher hold
 class OwnPosition:
     """One such loader's position on this rank: the states after its last few batches, what a resume loads."""
 
+    checked = "its first batch"  # what a resume compares (``next_batch``'s verdict)
+    can_restart = False
+
     def __init__(
         self, name: str, workers: int, fetched_ahead: Callable[[], int], epoch_of: Callable[[], int], strict: bool
     ) -> None:
@@ -69,6 +72,18 @@ class OwnPosition:
                 "its workers). Nothing was trained. Resume with --run.stream_resume as_saved to continue from its "
                 "own state anyway (not exactly: the start line says so)"
             )
+
+    def verified(self, ranks: str) -> str:
+        return (f"{self.name}: its first batch{ranks} is the one the checkpoint's run had fetched next, resumed at "
+                "each rank's own state as of the batches trained on")  # fmt: skip
+
+    def differs(self, rank: str) -> str:
+        return (f"{self.name}: its first batch after the resume{rank} differs from the batch the checkpoint's run had "
+                "fetched next (random draws in its workers, or a position its state_dict does not keep)")  # fmt: skip
+
+    def unsaved(self) -> str:
+        return (f"{self.name}: the checkpoint holds no position of each rank (plain Lightning wrote it): Lightning "
+                "loads rank 0's into every rank, a batch past the last trained on")  # fmt: skip
 
     def describe(self, ranks: int) -> str:
         """What a resume of it does (or did), for the start line."""

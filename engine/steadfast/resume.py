@@ -2,11 +2,9 @@
 metrics mid-epoch, a fixed number of compute threads, logs flushed at saves."""
 
 import math
-import random
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torchmetrics import Metric
@@ -21,6 +19,7 @@ from steadfast.compat import (
 )
 from steadfast.elastic import GlobalBatch, Shape, epoch_note, has_batch_norm
 from steadfast.next_batch import record, verdict, watch
+from steadfast.sample_seeds import generator_states, set_generator_states
 from steadfast.sharded import ShardedStrategy
 
 
@@ -143,14 +142,14 @@ class ExactResume(Callback):
         if trainer is not None and trainer.state.fn == "fit" and trainer.train_dataloader is not None:
             more["next_batch"] = record(trainer)  # leaves the generators as they were
         if trainer is None or trainer.world_size == 1:
-            return {"ranks": [_rng_tensors()], "metrics": [_metric_states(trained)], "threads": threads, **more}
+            return {"ranks": [generator_states()], "metrics": [_metric_states(trained)], "threads": threads, **more}
         # the same metrics on every rank, so that every rank runs the same gathers
         flags = torch.tensor([name not in self._not_trained for name in self._metrics], dtype=torch.uint8)
         device = trainer.strategy.root_device  # NCCL gathers only device tensors
         anywhere = trainer.strategy.all_gather(flags.to(device)).cpu().amax(0).bool().tolist()
         trained = {name: m for (name, m), keep in zip(self._metrics.items(), anywhere, strict=True) if keep}
         trained = {name: m for name, m in trained.items() if all(map(torch.is_tensor, m.metric_state.values()))}
-        mine = {**_rng_tensors(), **{f"metric:{k}": v for k, v in _flat_metric_states(trained).items()}}
+        mine = {**generator_states(), **{f"metric:{k}": v for k, v in _flat_metric_states(trained).items()}}
         gathered = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}
         # clone: a view would be saved with (and set_rng_state would read from) the start of the whole storage
         ranks = [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]
@@ -230,7 +229,7 @@ class ExactResume(Callback):
         if len(ranks) != trainer.world_size:  # another number of ranks: the start line says what does not follow
             self._metrics_to_restore = None  # each rank's share of an epoch's metrics belongs to its old data split
             return
-        _set_rng_tensors(ranks[trainer.global_rank])
+        set_generator_states(ranks[trainer.global_rank])
 
 
 def _epoch_samples(trainer: L.Trainer, shape: Shape) -> float:
@@ -283,30 +282,3 @@ def _set_metric_states(metrics: dict[str, Metric], saved: dict[str, dict[str, An
         for key, value in states.items():
             moved = [v.to(metric.device) for v in value] if isinstance(value, list) else value.to(metric.device)
             setattr(metric, key, moved)
-
-
-def _rng_tensors() -> dict[str, torch.Tensor]:
-    """The global RNG states as tensors (a ``weights_only`` checkpoint may hold nothing else safely)."""
-    version, py_state, gauss = random.getstate()
-    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    states = {
-        "torch": torch.get_rng_state(),
-        "python": torch.tensor([version, *py_state], dtype=torch.int64),
-        "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
-        "numpy": torch.tensor(np_keys.astype(np.int64)),
-        "numpy_rest": torch.tensor([np_pos, np_has_gauss, np_gauss], dtype=torch.float64),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
-def _set_rng_tensors(states: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(states["torch"].cpu().clone())
-    python = states["python"].tolist()
-    has_gauss, gauss = states["python_gauss"].tolist()
-    random.setstate((python[0], tuple(python[1:]), gauss if has_gauss else None))
-    pos, np_has_gauss, np_gauss = states["numpy_rest"].tolist()
-    np.random.set_state(("MT19937", states["numpy"].numpy().astype(np.uint32), int(pos), int(np_has_gauss), np_gauss))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"].cpu().clone())

@@ -104,3 +104,31 @@ def seeding_worker_init(seed: int, user_init: Callable[[int], Any] | None, worke
 
 def worker_init(seed: int, user_init: Callable[[int], Any] | None) -> Callable[[int], None]:
     return functools.partial(seeding_worker_init, seed, user_init)
+
+
+def generator_states(cuda: bool = True) -> dict[str, torch.Tensor]:
+    """The global generators' states (torch's CPU one, numpy's, Python's; CUDA's where it runs and ``cuda``) as
+    tensors: a ``weights_only`` checkpoint may hold nothing else safely."""
+    version, py_state, gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    states = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor([version, *py_state], dtype=torch.int64),
+        "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.tensor(np_keys.astype(np.int64)),
+        "numpy_rest": torch.tensor([np_pos, np_has_gauss, np_gauss], dtype=torch.float64),
+    }
+    if cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_generator_states(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["torch"].cpu().clone())
+    python = states["python"].tolist()
+    has_gauss, gauss = states["python_gauss"].tolist()
+    random.setstate((python[0], tuple(python[1:]), gauss if has_gauss else None))
+    pos, np_has_gauss, np_gauss = states["numpy_rest"].tolist()
+    np.random.set_state(("MT19937", states["numpy"].numpy().astype(np.uint32), int(pos), int(np_has_gauss), np_gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"].cpu().clone())

@@ -116,6 +116,8 @@ def _fresh(epoch: int, workers: int) -> dict[str, Any]:
 class Position:
     """One train stream's position on this rank: what its loader handed out, and what training took of it."""
 
+    can_restart = True  # run.stream_resume restart is a way out of a refusal
+
     def __init__(self, name: str, workers: int, stateful: bool, ordered: bool, epoch_of: Callable[[], int]) -> None:
         self.name, self.workers, self.stateful, self.ordered, self.epoch_of = name, workers, stateful, ordered, epoch_of
         self.taken = _fresh(epoch_of(), workers)  # what training took of the current epoch
@@ -123,6 +125,9 @@ class Position:
         self.restore: dict[str, Any] | None = None  # the checkpoint's position, for the epoch it was taken in
         self.resumed: dict[str, Any] | None = None  # the position this run resumed at
         self.problem: str | None = None  # a fast-forward that gave other samples than the checkpoint recorded
+
+    def unsaved(self) -> str:
+        return f"{self.name}: the checkpoint holds no position of it: a mid-epoch resume restarts that epoch's data"
 
     def take(self, count: int) -> None:
         """Training has taken ``count`` batches of the current epoch."""
@@ -247,7 +252,7 @@ class StreamResume(Callback):
         if mode not in MODES:
             raise ValueError(f"run.stream_resume ({mode!r}) must be one of {', '.join(MODES)}")
         self.mode = mode
-        self.positions: list[Any] = []  # Position, or own_positions.OwnPosition
+        self.positions: list[Any] = []  # Position, own_positions.OwnPosition or own_orders.OwnOrder
         self.saved: list[list[dict[str, Any]]] | None = None  # every rank's positions, from the checkpoint
         self._checked = False
 
@@ -274,15 +279,15 @@ class StreamResume(Callback):
         return rebuilt, None
 
     def attach(self, position: Any, trainer: L.Trainer) -> None:
-        """``position`` (a ``Position``, or an ``own_positions.OwnPosition``) is the next train loader's: given this
-        rank's position in the checkpoint, if any."""
+        """``position`` (a ``Position``, ``own_positions.OwnPosition`` or ``own_orders.OwnOrder``) is the next train
+        loader's: given this rank's position in the checkpoint, if any."""
         if self.saved is not None:
             if len(self.saved) != trainer.world_size:
                 raise ValueError(
                     f"{position.name}: the checkpoint holds the loader positions of {len(self.saved)} rank(s), this "
                     f"run has {trainer.world_size}: each rank reads its own share of the data from its own position, "
                     f"so resume on {len(self.saved)} rank(s)"
-                    + (", or with --run.stream_resume restart" if isinstance(position, Position) else "")
+                    + (", or with --run.stream_resume restart" if position.can_restart else "")
                 )
             mine = self.saved[trainer.global_rank]
             index = len(self.positions)
@@ -294,16 +299,13 @@ class StreamResume(Callback):
         positions (written by plain Lightning, an earlier version, or under ``restart``)."""
         if trainer.ckpt_path is None or self.saved is not None or not self.positions:
             return []
-        return [f"{p.name}: the checkpoint holds no position of it: a mid-epoch resume restarts that epoch's data"
-                if isinstance(p, Position) else f"{p.name}: the checkpoint holds no position of each rank (plain "
-                "Lightning wrote it): Lightning loads rank 0's into every rank, a batch past the last trained on"
-                for p in self.positions]  # fmt: skip
+        return [p.unsaved() for p in self.positions]
 
     def describe(self) -> list[str]:
         """What a resume of each stream does (or did), for the start line."""
         out = []
         for i, p in enumerate(self.positions):
-            if not isinstance(p, Position):  # a loader that keeps its own (steadfast.own_positions)
+            if not isinstance(p, Position):  # steadfast.own_positions, steadfast.own_orders
                 out.append(p.describe(len(self.saved) if self.saved else 1))
                 continue
             resumed, ranks = p.resumed, self.saved or []

@@ -26,6 +26,7 @@ from steadfast.compat import loader_with_sampler, uses_distributed_sampler
 from steadfast.compat_torch import sampler_of_its_batch_sampler
 from steadfast.elastic import GlobalBatch
 from steadfast.loaders import ResumableDataLoader, ResumableSampler, check_eval_share, check_train_batch
+from steadfast.own_orders import replay_own_order
 from steadfast.own_positions import keep_own
 from steadfast.sample_seeds import can_seed, worker_init
 from steadfast.stream_resume import StreamResume
@@ -127,8 +128,10 @@ def engine_loader(
     if reason is not None and train and streams is not None and isinstance(loader.dataset, IterableDataset):
         rebuilt, note = streams.resumable(loader, trainer)
         return rebuilt, None if note is None else f"{reason}: {note}"
+    iterable = isinstance(loader.dataset, IterableDataset)
+    if reason is not None and train and streams is not None and not iterable and streams.mode != "restart":
+        return replay_own_order(loader, trainer, streams, type(own_order(loader)).__name__)
     if reason is not None:
-        iterable = isinstance(loader.dataset, IterableDataset)
         return loader, _gives_up(reason, split, world, split_by_lightning and not iterable, sharded)
     note = None
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # seed_everything's, as Lightning's DistributedSampler reads it
@@ -195,6 +198,12 @@ def _torchdata_plain(part: Any) -> bool:
         and cls.__name__ in ("RandomSampler", "BatchSampler")
         and plain
     )
+
+
+def own_order(loader: DataLoader) -> Any:
+    """What draws ``loader``'s order of a map-style dataset: its batch sampler, unless that is torch's own."""
+    batches = loader.batch_sampler
+    return loader.sampler if batches is None or type(batches) is BatchSampler else batches
 
 
 def _why_not(loader: DataLoader) -> str | None:

@@ -379,6 +379,24 @@ def test_a_loaders_unstarted_copy_starts_its_own_persistent_workers():
     assert rebuilt._iterator is not loader._iterator
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_loaders_iterators_draw_each_batchs_indices_from_its_index_sampler(workers):
+    """``DataLoader._index_sampler``: the property torch's iterators read to draw each batch's indices, which
+    ``steadfast.own_orders`` puts its own in front of (a subclass's property is what the iterators use)."""
+    from torch.utils.data import DataLoader
+
+    from steadfast.compat_torch import index_sampler
+
+    class Reversed(DataLoader):
+        @property
+        def _index_sampler(self):
+            return [list(reversed(b)) for b in index_sampler(self)]
+
+    loader = Reversed(list(range(6)), batch_size=2, num_workers=workers)
+    assert index_sampler(loader) is loader.batch_sampler
+    assert [b.tolist() for b in loader] == [[1, 0], [3, 2], [5, 4]] and len(loader) == 3
+
+
 def test_tensor_version_counts_in_place_writes():
     from steadfast.compat_torch import version_counter
 

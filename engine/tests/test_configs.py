@@ -87,3 +87,15 @@ def test_installed_without_editable_the_base_config_is_the_project_folders_or_na
     assert lost.stdout.splitlines()[0].startswith(note), lost.stdout
     assert "error:" in lost.stderr and "model" in lost.stderr and "Traceback" not in lost.stderr, lost.stderr[-2000:]
     assert not (elsewhere / "runs").exists()
+
+
+def test_the_engines_version_is_the_one_its_package_declares():
+    """``steadfast.__version__`` (what a copy's ``.template.json`` and the start of a bug report quote) is
+    ``engine/pyproject.toml``'s, and the CHANGELOG has an entry for it (1.3.0 shipped saying 1.2.0)."""
+    import tomllib
+
+    import steadfast
+
+    declared = tomllib.loads((ENGINE / "pyproject.toml").read_text())["project"]["version"]
+    assert steadfast.__version__ == declared
+    assert f"\n## {declared} (" in (ENGINE / "CHANGELOG.md").read_text()

@@ -79,8 +79,16 @@ def test_a_loader_order_changed_between_save_and_resume_is_named_at_the_first_pl
     assert expected in line, line
 
 
-def test_a_loader_the_engine_cannot_replay_is_named_and_nothing_is_said_verified(tmp_path, capsys):
+def test_a_loader_with_its_own_sampler_is_verified_by_its_indices_or_named_unverified_under_restart(tmp_path, capsys):
     crashed_then_resumed(tmp_path, [*BYO, "--data.train_sampler", "own"], step=5)
+    line = resumed_start_line(capsys.readouterr().out)
+    assert (
+        "exact resume: resume verified (train loader 0 (EveryOtherSampler): its first batch's indices are those the "
+        "checkpoint's run drew next, its order drawn again and fast-forwarded past the batches trained on) |" in line
+    ), line
+    (tmp_path / "restart").mkdir()
+    crashed_then_resumed(tmp_path / "restart", [*BYO, "--data.train_sampler", "own", "--run.stream_resume", "restart"],
+                         step=5)  # fmt: skip
     line = resumed_start_line(capsys.readouterr().out)
     assert (
         "exact resume: not verified: train loader 0: its EveryOtherSampler is the user's own, whose order the engine "

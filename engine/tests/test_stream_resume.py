@@ -300,3 +300,114 @@ def test_a_module_that_reads_estimated_stepping_batches_resumes_its_loaders_exac
     *seen, line, _ = killed_and_resumed(tmp_path, 30, 27, "--model.one_cycle", "true", *flags)
     assert seen == [0, 0, 0, 0.0], seen
     assert "exact resume: resume verified" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sampler", "workers"), [("own", "0"), ("counting", "2"), ("buckets", "0")])
+def test_a_killed_fit_of_a_loader_with_its_own_sampler_resumes_in_its_order_after_the_batches_trained_on(
+    sampler, workers, tmp_path
+):
+    """A user's own sampler (a shuffle from torch's global generator; one with a state_dict) or batch sampler in a
+    plain DataLoader restarted its epoch on a resume: its order is drawn again from the epoch's start and the batches
+    trained on are dropped as indices."""
+    # 97 samples in batches of 4: 25 steps an epoch; killed at step 30, resumed at step 27 (epoch 1, batch 2)
+    flags = ["--trainer.max_epochs", "2", "--data.source", "map", "--data.sampler", sampler,
+             "--data.num_workers", workers]  # fmt: skip
+    *seen, line, _ = killed_and_resumed(tmp_path, 30, 27, *flags)
+    assert seen == [0, 0, 0, 0.0], seen
+    name = {"own": "Shuffled", "counting": "CountingShuffled", "buckets": "Buckets"}[sampler]
+    assert (
+        f"exact resume: resume verified (train loader 0 ({name}): its first batch's indices are those the "
+        "checkpoint's run drew next, its order drawn again and fast-forwarded past the batches trained on)"
+    ) in line, line
+    assert f"streams: train loader 0 ({name}): resumed after the 2 batches of epoch 1 trained on" in line, line
+    if workers != "0":  # what is not checked is named: the workers' draws
+        assert "opts out: train loader 0: random draws in its 2 workers (augmentation) start again" in line, line
+    else:
+        assert "opts out" not in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_a_killed_two_rank_fit_with_its_own_sampler_resumes_each_rank_in_its_order_and_refuses_one_rank(tmp_path):
+    """Under DDP Lightning wraps the user's sampler in its ``DistributedSamplerWrapper``: each rank's order is drawn
+    again from its own generators and fast-forwarded; a resume on 1 rank stops in one line before anything trains."""
+    flags = ["--trainer.max_epochs", "2", "--data.n_train", "194", "--data.source", "map", "--data.sampler", "own",
+             "--data.num_workers", "2"]  # fmt: skip
+    *seen, line, _ = killed_and_resumed(tmp_path, 30, 27, *flags, *DDP2)
+    assert seen == [0, 0, 0, 0.0], seen
+    assert "(train loader 0 (Shuffled): its first batch's indices on 2 ranks are those the checkpoint's run" in line
+    assert "streams: train loader 0 (Shuffled): resumed on each of 2 ranks after the 2 batches of epoch 1" in line
+    resumed = next(tmp_path.glob("resumed-*"))
+    step = last(resumed)["global_step"]
+    proc = cli("fit", *config(tmp_path), *flags, "--trainer.max_epochs", "3", "--ckpt_path", "last", cwd=resumed,
+               check=False)  # fmt: skip
+    (error,) = [x for x in proc.stderr.splitlines() if "the checkpoint holds the loader positions" in x]
+    assert error.startswith(
+        "error: train loader 0 (Shuffled): the checkpoint holds the loader positions of 2 rank(s), this run has 1: "
+        "each rank reads its own share of the data from its own position, so resume on 2 rank(s), or with "
+        "--run.stream_resume restart"
+    ), error
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and last(resumed)["global_step"] == step
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_a_sampler_whose_order_cannot_be_drawn_again_stops_the_resume_until_the_user_chooses(tmp_path):
+    """A sampler that draws its order from ``os.urandom``: drawn again, the next batch's indices differ from the
+    checkpoint's record, so the resume stops in one line before training; ``as_saved`` continues in the new order
+    (the start line says ``no``), ``restart`` restarts the epoch (named in opts out)."""
+    flags = ["--trainer.max_epochs", "2", "--data.source", "map", "--data.sampler", "urandom"]
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    args = [*config(tmp_path), *flags]
+    assert cli("fit", *args, *kill_at(30, settle=True), cwd=resumed, check=False).returncode != 0
+    proc = cli("fit", *args, "--ckpt_path", "last", cwd=resumed, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert ("error: train loader 0 (Shuffled): drawn again from the epoch's start, its next batch's indices differ "
+            "from those the checkpoint's run drew") in proc.stderr, proc.stderr[-3000:]  # fmt: skip
+    assert last(resumed)["global_step"] == 27  # nothing trained, nothing saved
+    proc = cli("fit", *args, "--ckpt_path", "last", "--run.stream_resume", "as_saved", cwd=resumed)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
+    assert "exact resume: no: train loader 0 (Shuffled): its first batch's indices after the resume differ" in line
+    assert last(resumed)["global_step"] == 50
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_loader_with_its_own_sampler_resumed_mid_epoch_gives_the_rest_of_the_uninterrupted_order(persistent):
+    """``own_orders`` alone, in this process: a loader with a user's shuffle (torch's global generator) and two
+    persistent or fresh workers; a position taken after 3 batches resumes a new loader at batch 3 of the same order,
+    the global generators left as they were."""
+    from torch.utils.data import DataLoader
+
+    from steadfast.own_orders import OwnOrder, ReplaysOwnOrder
+    from tests.fixtures.streams import Shuffled, TokenSet
+
+    epoch = [0]
+
+    def loader(position: OwnOrder) -> DataLoader:
+        cls = type("Loader", (ReplaysOwnOrder, DataLoader), {"position": position})
+        return cls(TokenSet(30, 2), sampler=Shuffled(30), batch_size=4, num_workers=2, persistent_workers=persistent)
+
+    def ids(batches) -> list[list[int]]:
+        return [b["id"].tolist() for b in batches]
+
+    torch.manual_seed(3)
+    first = OwnOrder("train loader 0 (Shuffled)", lambda: epoch[0], strict=True)
+    uninterrupted = loader(first)
+    it = iter(uninterrupted)
+    head = ids(next(it) for _ in range(3))
+    first.take(3)
+    saved = first.taken
+    tail = ids(it)
+
+    torch.manual_seed(99)  # the resumed process's generators: the checkpoint's, not the epoch's start
+    epoch[0] = 0
+    resumed_position = OwnOrder("train loader 0 (Shuffled)", lambda: epoch[0], strict=True)
+    resumed_position.restore = saved
+    resumed = loader(resumed_position)
+    state = torch.get_rng_state()
+    rest = ids(resumed)
+    assert torch.equal(torch.get_rng_state(), state)  # the draw again left the checkpoint's generators as they were
+    assert rest == tail and resumed_position.problem is None and resumed_position.first == saved["next"]
+    assert sorted(i for batch in head + rest for i in batch) == list(range(30))

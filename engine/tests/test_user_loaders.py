@@ -148,8 +148,12 @@ EXACT = "yes, also mid-epoch (each resume checks its first batch)"  # a fresh ru
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        (["--data.train_sampler", "own"], "train loader 0: its sampler EveryOtherSampler is the user's own: a "
-                                          "mid-epoch resume restarts that epoch's data"),
+        # the user's own sampler: its order is drawn again on a resume (steadfast.own_orders), unless restart
+        (["--data.train_sampler", "own"], f"exact resume: {EXACT} | streams: train loader 0 (EveryOtherSampler): a "
+                                          "mid-epoch resume draws its order again, past the batches trained on"),
+        (["--data.train_sampler", "own", "--run.stream_resume", "restart"],
+         "train loader 0: its sampler EveryOtherSampler is the user's own: a mid-epoch resume restarts that epoch's "
+         "data"),
         # a stream without state is fast-forwarded (steadfast.stream_resume), checked against its fingerprint
         (["--data.train_sampler", "stream"], f"exact resume: {EXACT} | streams: train loader 0 (Stream), "
                                              "no state_dict: a mid-epoch resume fast-forwards it"),
