@@ -164,6 +164,7 @@ class Position:
         if not self.ordered or n == 1:
             for item in made:
                 if self._kept(item, skips, restore):
+                    self.handed.append(item)
                     yield item.batch
             self._check_skipped(skips)
             return
@@ -182,12 +183,14 @@ class Position:
                 if self._kept(item, skips, restore):
                     queues[item.worker].append(item)
             if queues[w]:
-                yield queues[w].popleft().batch
+                # recorded as handed out in the order training gets it, which is not the order of arrival
+                self.handed.append(queues[w].popleft())
+                yield self.handed[-1].batch
             w = (w + 1) % n
         self._check_skipped(skips)
 
     def _kept(self, item: Made, skips: list[int], restore: dict[str, Any] | None) -> bool:
-        """Whether ``item`` goes to training (a fast-forward drops the batches trained on), and records it."""
+        """Whether ``item`` goes to training (a fast-forward drops the batches trained on)."""
         if item.batch is None:
             skips[item.worker] -= 1
             last = item.fingerprint is not None and restore is not None  # the last batch it drops
@@ -200,7 +203,6 @@ class Position:
                     "its order depend on the seed and epoch only (set_epoch, get_worker_info, the rank)"
                 )
             return False
-        self.handed.append(item)
         return True
 
     def _check_skipped(self, skips: list[int]) -> None:

@@ -67,6 +67,14 @@ def killed_and_resumed(tmp_path: Path, kill: int, saved: int, *flags: str, refer
     assert last(resumed)["global_step"] == saved and loops["epoch_loop.batch_progress"]["current"]["completed"] > 0
     proc = cli("fit", *args, *record(resumed), "--ckpt_path", "last", cwd=resumed)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
+    twice, skipped, differ, diff = compared(reference, resumed)
+    print(f"{flags}: seen twice {twice}, skipped {skipped}, steps that differ {differ}, max |delta| {diff}\n{line}")
+    return twice, skipped, differ, diff, line, reference
+
+
+def compared(reference: Path, resumed: Path) -> tuple[int, int, int, float]:
+    """(seen twice, skipped, steps that differ, max |delta| of the final weights and optimizer) of the run in
+    ``resumed`` against the uninterrupted one in ``reference``."""
     ref, got = history(reference), history(resumed)
     counts, expected = Counter(i for ids in got.values() for i in ids), Counter(i for ids in ref.values() for i in ids)
     twice, skipped = sum((counts - expected).values()), sum((expected - counts).values())
@@ -74,8 +82,7 @@ def killed_and_resumed(tmp_path: Path, kill: int, saved: int, *flags: str, refer
     a, b = last(reference), last(resumed)
     diff = max(max_abs_diff(a["state_dict"], b["state_dict"]), max_abs_diff(a["optimizer_states"],
                                                                          b["optimizer_states"]))  # fmt: skip
-    print(f"{flags}: seen twice {twice}, skipped {skipped}, steps that differ {differ}, max |delta| {diff}\n{line}")
-    return twice, skipped, differ, diff, line, reference
+    return twice, skipped, differ, diff
 
 
 @pytest.mark.slow
@@ -106,6 +113,28 @@ def test_a_killed_fit_of_a_stream_in_two_loader_workers_resumes_in_the_uninterru
     *seen, line, _ = killed_and_resumed(tmp_path, 40, 36, *flags)
     assert seen == [0, 0, 0, 0.0], seen
     assert "the 44 samples of epoch 1 trained on" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("state", ["false", "true"])
+def test_a_stream_in_two_loader_workers_killed_twice_resumes_exactly_both_times(state, tmp_path):
+    """The resumed run's own checkpoint: a resume hands out its workers' batches from the checkpoint's turn (worker
+    1 here), not in the order they arrive, and each batch trained on counts for the worker that made it."""
+    flags = ["--trainer.max_epochs", "2", "--data.num_workers", "2", "--data.state", state]
+    args = [*config(tmp_path), *flags]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir(), resumed.mkdir()
+    cli("fit", *args, *record(reference), cwd=reference)
+    assert cli("fit", *args, *record(resumed), *kill_at(40, settle=True), cwd=resumed, check=False).returncode != 0
+    # resumed at step 36 (epoch 1: 6 batches of worker 0 and 5 of worker 1 trained on), killed again at step 47
+    again = cli("fit", *args, *record(resumed), "--ckpt_path", "last", *kill_at(47, settle=True), cwd=resumed,
+                check=False)  # fmt: skip
+    assert again.returncode != 0 and last(resumed)["global_step"] == 45, again.stderr[-2000:]
+    proc = cli("fit", *args, *record(resumed), "--ckpt_path", "last", cwd=resumed)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
+    assert list(compared(reference, resumed)) == [0, 0, 0, 0.0], line
+    assert "the 80 samples of epoch 1 trained on" in line, line
 
 
 @pytest.mark.slow
@@ -147,24 +176,36 @@ def test_a_stream_whose_order_is_not_the_same_after_a_resume_stops_before_the_fi
 def test_a_resumed_loader_hands_out_its_workers_batches_in_the_uninterrupted_order():
     """``Position.hand_out`` against the order of a ``DataLoader``'s workers' turns (the oracle: batch ``m`` of
     worker ``w`` comes before batch ``m`` of ``w + 1`` and after batch ``m - 1`` of every worker; a worker whose
-    stream ended is left out), on random shard sizes, numbers of workers and resume points."""
+    stream ended is left out), on random shard sizes, numbers of workers and resume points; and each batch taken
+    counts for the worker that made it (not for the worker whose batch arrived first)."""
     rng = random.Random(0)
-    for trial in range(300):
-        workers = rng.randint(1, 4)
+    for trial in range(600):
+        workers, stateful = rng.randint(1, 4), trial % 2 == 1
         sizes = [rng.randint(0, 6) for _ in range(workers)]  # each worker's batches this epoch
         turns = sorted((m, w) for w in range(workers) for m in range(sizes[w]))  # the uninterrupted order
         cut = rng.randint(0, len(turns))  # batches trained on before the kill
-        position = Position("s", workers, False, True, lambda: 0)
-        position.restore = {"epoch": 0, "batches": [0] * workers, "samples": [0] * workers,
-                            "fingerprints": [None] * workers, "states": [None] * workers, "next": 0}  # fmt: skip
-        restore = position.start_epoch()
+        position = Position("s", workers, stateful, True, lambda: 0)
+        saved = {"epoch": 0, "batches": [0] * workers, "samples": [0] * workers,
+                 "fingerprints": [None] * workers, "states": [None] * workers, "next": 0}  # fmt: skip
         for _, w in turns[:cut]:
-            restore["batches"][w] += 1
-            restore["next"] = (w + 1) % workers
+            saved["batches"][w] += 1
+            saved["next"] = (w + 1) % workers
+        position.restore = saved
+        restore = position.start_epoch()
         # the resumed loader's turns start again at worker 0: each worker first drops its batches trained on
+        # (a stream fast-forwarded), or starts after them (a stream resumed at its state: it arrives in another
+        # order than it is handed out)
         made = [Made(None if m < restore["batches"][w] else (m, w), w, 1, None, None) for m, w in turns]
-        got = list(position.hand_out(iter(made), restore))
-        assert got == turns[cut:], (trial, sizes, cut)
+        if stateful:
+            left = sorted((m - restore["batches"][w], w, m) for m, w in turns if m >= restore["batches"][w])
+            made = [Made((m, w), w, 1, None, None) for _, w, m in left]
+        got = []
+        for batch in position.hand_out(iter(made), restore):
+            got.append(batch)
+            position.take(cut + len(got))  # trained on: it counts for the worker that made it
+            m, w = batch
+            assert position.taken["batches"][w] == m + 1 and position.taken["next"] == (w + 1) % workers, trial
+        assert got == turns[cut:], (trial, sizes, cut, stateful)
         assert position.problem is None
 
 
