@@ -41,8 +41,8 @@ from project.module import Classifier
 from project.nets import MLP
 from steadfast.compat_logging import skip_moves_already_done
 from steadfast.guards import gradients_finite
-from steadfast.host_memory import keep_freed_host_memory
-from steadfast.profiler import NoProfiler
+from steadfast.speed.host_memory import keep_freed_host_memory
+from steadfast.speed.profiler import NoProfiler
 
 
 def batches(steps: int, batch_size: int) -> DataLoader:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from steadfast.export import export
+from steadfast.export.formats import export
 from steadfast.testing import QUIET, lightning_model, load_exported
 from tests.helpers import cli, run_dirs
 

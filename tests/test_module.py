@@ -73,7 +73,7 @@ def test_the_schedule_fits_a_run_shorter_than_its_warmup(trainer_kwargs, warmup,
     trainer.fit(model, DigitsDataModule())
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     assert trainer.global_step == steps == len(lrs)
-    assert (scheduler.warmup_epochs, scheduler.max_epochs) == (warmup_steps, steps)
+    assert (scheduler.warmup_steps, scheduler.total_steps) == (warmup_steps, steps)
     # the closed form with the adapted horizon: linear from lr/W up to lr over the W warmup steps
     w = warmup_steps
     warmup = [0.01 / w + t * (0.01 - 0.01 / w) / max(1, w - 1) for t in range(w)]

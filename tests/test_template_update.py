@@ -195,7 +195,8 @@ def test_a_file_the_user_deleted_stays_deleted(repos):
 def test_a_copy_whose_engine_was_changed_is_refused_naming_the_file(repos, how):
     """Never a merge of two engines: the update is refused before anything changes (no branch), naming the file."""
     template, copy = repos
-    rel = {"edited": ENGINE_FILE, "added": "engine/steadfast/mine.py", "deleted": "engine/steadfast/export.py"}[how]
+    deleted = "engine/steadfast/export/formats.py"
+    rel = {"edited": ENGINE_FILE, "added": "engine/steadfast/mine.py", "deleted": deleted}[how]
     if how == "deleted":
         git(copy, "rm", "-q", rel)
     else:

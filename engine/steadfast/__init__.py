@@ -28,18 +28,18 @@ What it guarantees, and what user code does to get each guarantee:
   atomic rename in the background, loaded with ``weights_only``; the files of one validation are one file under
   their names. Nothing to do: they come with any ``trainer.callbacks`` / ``trainer.plugins`` list a config gives
   (``--checkpoints.*`` are the settings; the start line names what is off).
-- **Speed** (``host_memory``, ``host_snapshot``, ``loggers``, ``profiler``, ``compat_logging``): a CPU step reuses the
+- **Speed** (``speed/``, ``host_snapshot``, ``loggers``, ``compat_logging``): a CPU step reuses the
   memory the last one freed; saves cost the loop only a copy to host memory; ``self.log`` and the hooks' profiling
   cost next to nothing per step. Nothing to do. Each switch that changes more than the loop is named in the start
   line (``| speed: ...``) and set for the run only (``run_scope``): once ``cli_main`` returns, signal handlers,
   warning and logging filters, gc, patched classes and malloc are as they were. The ``speed:`` settings
-  (``speed.Speed``): ``keep_freed_host_memory`` (CPU runs only, on by default), ``compile`` (``torch.compile`` of the
-  module's networks in place, checkpoint keys unchanged) and ``matmul_precision`` (TF32, put back after), the last two
-  on in ``configs/gpu.yaml``.
+  (``speed.switches.Speed``): ``keep_freed_host_memory`` (CPU runs only, on by default), ``compile``
+  (``torch.compile`` of the module's networks in place, checkpoint keys unchanged) and ``matmul_precision`` (TF32, put
+  back after), the last two on in ``configs/gpu.yaml``.
 - **An LR schedule fitted to the run** (``schedule``): ``LinearWarmupCosineAnnealingLR(optimizer, warmup_epochs,
   max_epochs)`` returned with ``"interval": "step"`` is converted at the start of training to the run's real steps
   per epoch (``max_epochs=None``: the whole run, a short debug run included). Nothing to do.
-- **Sharded training** (``sharded``): ``configs/fsdp.yaml`` writes checkpoints as DCP folders, one shard per rank,
+- **Sharded training** (``sharded/``): ``configs/fsdp.yaml`` writes checkpoints as DCP folders, one shard per rank,
   atomically and loaded without pickle; exact resume as above, resharding to any number of ranks, export to one
   file. A module without ``configure_model`` is sharded layer by layer (``fully_shard`` on each layer with
   parameters, then each network); one with its own ``configure_model`` shards there. User code: let every rank run
@@ -50,23 +50,22 @@ What it guarantees, and what user code does to get each guarantee:
   sample on exactly one rank; torchmetrics ``Metric`` objects (``self.log(name, metric)``) and tensors logged with
   ``sync_dist=True`` (epoch means weighted by each rank's true sample count) give epoch values equal to the
   single-process ones.
-- **What a run is judged by, said once** (``runs``, ``monitor``): ``run.monitor``/``run.mode`` make the engine's
+- **What a run is judged by, said once** (``runs``, ``judge``): ``run.monitor``/``run.mode`` make the engine's
   best-k ``ModelCheckpoint`` (and ``EarlyStopping`` with ``run.patience``), a sweep's objective and the run summary's
   score; a monitored key the module does not log stops the fit at the first validation's end, before training, in
   one line naming the keys it does log. User code: ``self.log`` the monitored metric, or set ``--run.monitor``.
-- **Checkpoints by name** (``run_checkpoints``, ``best``, ``after_fit``): ``--ckpt_path best`` / a run folder pick
+- **Checkpoints by name** (``run_checkpoints``, ``judge``): ``--ckpt_path best`` / a run folder pick
   the run's best by its ``ModelCheckpoint``'s own record in each file, else its last, saying which;
   ``--run.test_after_fit`` tests a finished fit's best into the same run.
 - **Bad input in one line** (``errors``, ``cli``): arguments, configs, checkpoints are checked before anything is
   written; an error every rank raises is printed once, by rank 0, and a run that failed before writing anything
   but its config leaves no folder. Raise ``ValueError`` with the reason from your constructors.
-- **Your model, your data** (``config``, ``export``): ``--model my.Model``/``--data my.Data`` start from that
+- **Your model, your data** (``config``, ``export/``): ``--model my.Model``/``--data my.Data`` start from that
   class's own defaults; ``scripts/export.py`` exports any module with a ``forward`` (``example_input_array``, else
   a batch of its data).
-- **Sweeps that survive a crash** (``sweep``, ``sweep_worker``, ``sweep_space``, ``sweep_trial``,
-  ``sweep_report``): an Optuna study whose trials are ordinary ``fit`` runs with every guarantee above; killed and
-  restarted, it continues each trial from its ``last.ckpt``. User code: log the metric the sweep monitors
-  (``run.monitor`` unless it names another).
+- **Sweeps that survive a crash** (``sweep/``): an Optuna study whose trials are ordinary ``fit`` runs with every
+  guarantee above; killed and restarted, it continues each trial from its ``last.ckpt``. User code: log the metric the
+  sweep monitors (``run.monitor`` unless it names another).
 - **A console worth reading** (``console``, ``rank_failures``, ``hang_watchdog``): expected warnings silenced one by
   one, each run said once by rank 0; a dead DDP rank, or one that makes no progress for ``run.hang_timeout`` (300 s;
   a stopped process, a stuck collective or data loader), ends the run in one line naming it, its step, the intact
@@ -74,6 +73,9 @@ What it guarantees, and what user code does to get each guarantee:
 - **Private Lightning APIs** live in ``compat`` (and torch's in ``compat_torch``, ``self.log``'s in
   ``compat_logging``) only, each tested by name (a scan of the engine's source fails on one elsewhere); on a
   layout it does not know, the engine stops in one line naming the attribute and the version.
+
+Optional parts a reader can skip live in subpackages: ``sweep/`` (Optuna studies), ``export/`` (deployment formats),
+``sharded/`` (FSDP2 and its folders), ``speed/`` (switches that change how fast, not what is computed).
 """
 
 __version__ = "1.4.0"  # engine/pyproject.toml's; CHANGELOG.md says what each version changes for users
@@ -82,7 +84,7 @@ __version__ = "1.4.0"  # engine/pyproject.toml's; CHANGELOG.md says what each ve
 _PUBLIC = {
     "cli_main": "steadfast.main",
     "LinearWarmupCosineAnnealingLR": "steadfast.schedule",
-    "ShardedStrategy": "steadfast.sharded",
+    "ShardedStrategy": "steadfast.sharded.strategy",
     "ThrottledTensorBoardLogger": "steadfast.loggers",
 }
 __all__ = sorted(_PUBLIC)

@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelChec
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from steadfast.checkpoint_io import AtomicCheckpointIO
+from steadfast.judge import RunSummary
 from steadfast.last_checkpoint import LastCheckpoint
-from steadfast.summary import RunSummary
 
 PERIODIC_FILENAME = "epoch{epoch:03d}"
 

@@ -19,7 +19,6 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
-from steadfast.after_fit import test_best
 from steadfast.checkpoint_files import check_fits
 from steadfast.checkpoint_policy import CheckpointPolicy
 from steadfast.compat import ParsesPlainLightningCheckpoints, cli_section
@@ -30,11 +29,10 @@ from steadfast.errors import OneLineParser, check_yaml_files, one_line_errors, r
 from steadfast.guarantees import Guarantees
 from steadfast.guards import StopOnNonFinite
 from steadfast.hang_watchdog import HangWatchdog
+from steadfast.judge import CheckMonitored, ReadsJudge, judge_of, run_monitor_callbacks, test_best
 from steadfast.loggers import let_appended_loggers_parse
-from steadfast.monitor import CheckMonitored, ReadsJudge, judge_of, run_monitor_callbacks
 from steadfast.one_file_per_point import OneFilePerPoint
 from steadfast.predictions import PredictionWriter
-from steadfast.profiler import NoProfiler
 from steadfast.rank_failures import RankFailures
 from steadfast.resume import ExactResume
 from steadfast.run_folder import FolderBefore, RunFolder, clean_up_failed_start, remove_if_empty
@@ -42,10 +40,11 @@ from steadfast.run_loggers import default_logger, keep_csv_history, point_logger
 from steadfast.run_scope import for_the_run, freeze_what_was_built
 from steadfast.runs import RunPlan, Runs, plan_run
 from steadfast.schedule import FitScheduleToRun
-from steadfast.sharded import ShardedStrategy as Sharded
-from steadfast.sharded import check_same_network
+from steadfast.sharded.folders import check_same_network
+from steadfast.sharded.strategy import ShardedStrategy as Sharded
 from steadfast.signals import Preemption
-from steadfast.speed import Speed, SpeedSwitch
+from steadfast.speed.profiler import NoProfiler
+from steadfast.speed.switches import Speed, SpeedSwitch
 from steadfast.stream_resume import StreamResume
 from steadfast.user_loaders import UserLoaders
 
@@ -57,7 +56,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
     run_folder: RunFolder | None = None
     folder_before: FolderBefore | None = None  # a continued run's folder as found, for a failed start to restore
     unknown_loggers: list[str] = []
-    judge: ModelCheckpoint | None = None  # the run's checkpoint with a monitor (steadfast.monitor.judge_of)
+    judge: ModelCheckpoint | None = None  # the run's checkpoint with a monitor (steadfast.judge.judge_of)
 
     def __init__(self, *args: Any, only: str | None = None, **kwargs: Any) -> None:
         self.only = only

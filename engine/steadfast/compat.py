@@ -14,7 +14,7 @@ attribute, on a Lightning version where one changed.
 - ``ModelParallelStrategy._data_parallel_size`` / ``_tensor_parallel_size``: the mesh sizes its
   ``setup_environment`` reads; ``auto`` data parallelism is set to every rank (``steadfast.sharded``).
 - ``Callback._generate_state_key``'s format, ``ClassName{'monitor': ..., 'mode': ...}``: the key a checkpoint files
-  each callback's state under, read back for a ``ModelCheckpoint``'s ``mode`` (``steadfast.best``).
+  each callback's state under, read back for a ``ModelCheckpoint``'s ``mode`` (``steadfast.judge``).
 - ``ModelCheckpoint._should_skip_saving_checkpoint`` / ``_save_last_checkpoint`` / ``_monitor_candidates``: the
   end-of-fit refresh of ``last.ckpt`` (``steadfast.last_checkpoint``), with Lightning's own bookkeeping of
   ``last_model_path`` and its skips (``fast_dev_run``, not fitting, already saved at this step).
@@ -43,7 +43,7 @@ attribute, on a Lightning version where one changed.
   (``start_the_epoch_lightning_skipped``, ``steadfast.resume``).
 - ``ModelCheckpoint.file_exists`` replaced on an instance, so that a save still being written counts as a file
   (``count_pending_saves_as_files``, ``steadfast.one_file_per_point``).
-- The keys LightningCLI adds to ``hparams`` (``CLI_HPARAM_KEYS``, ``steadfast.summary``).
+- The keys LightningCLI adds to ``hparams`` (``CLI_HPARAM_KEYS``, ``steadfast.judge``).
 - The ``ddp`` launcher's ``procs`` (``launched_children``, ``steadfast.rank_failures``).
 - The ``ddp`` launcher's ``_ChildProcessObserver`` thread and its ``_run``, made to wait for the engine's report of a
   failed rank before it kills every rank (``child_observer_waits``, ``steadfast.rank_failures``).
@@ -148,7 +148,7 @@ def configure_model_counted_as_overridden(module: L.LightningModule) -> Iterator
 
 
 def _already_sharded() -> None:
-    """Sharded by ``steadfast.sharded.shard_each_layer``."""
+    """Sharded by ``steadfast.sharded.strategy.shard_each_layer``."""
 
 
 def state_key_arguments(state_key: str) -> dict[str, Any]:
@@ -431,7 +431,7 @@ class ParsesPlainLightningCheckpoints:
         hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu", mmap=True).get("hyper_parameters")
         if not isinstance(hparams, dict) or not hparams or "_class_path" in hparams or "_instantiator" in hparams:
             return super()._parse_ckpt_path()  # type: ignore[misc]  # a LightningCLI checkpoint (or none)
-        from steadfast.weights import its_arguments
+        from steadfast.config import its_arguments
 
         own = its_arguments(model.class_path, hparams)
         if own:

@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import yaml
@@ -142,3 +143,15 @@ def _classes_named_in(config: str) -> list[str]:
 
 def _is_class_path(value: str) -> bool:
     return bool(value) and value != "null" and not value.startswith(("{", "-")) and "\n" not in value
+
+
+def its_arguments(class_path: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``values`` that ``class_path``'s ``__init__`` takes by name: of a checkpoint's
+    ``hyper_parameters``, those that rebuild the saved module (``save_hyperparameters(ignore=...)`` and
+    ``self.hparams`` additions are none of them)."""
+    import importlib
+    import inspect
+
+    module_name, _, class_name = class_path.rpartition(".")
+    takes = set(inspect.signature(getattr(importlib.import_module(module_name), class_name).__init__).parameters)
+    return {k: v for k, v in values.items() if k in takes - {"self", "args", "kwargs"}}

@@ -5,7 +5,7 @@ Silenced here, each by its exact message (and category, for warnings), never all
 - warnings the template causes by design, or that come from inside a dependency and that a user can do nothing
   about (``SILENCED_WARNINGS``);
 - Lightning's INFO lines that advertise or that repeat what the run's start line (``steadfast.guarantees``)
-  and end line (``steadfast.summary``) say (``SILENCED_INFO``).
+  and end line (``steadfast.judge``) say (``SILENCED_INFO``).
 
 ``PROJECT_VERBOSE=1`` turns this off and brings every line back. A warning not listed here is shown: after a
 dependency upgrade it is either acted on or added here on purpose (``tests/test_console.py`` lists every line).

@@ -16,7 +16,7 @@ from steadfast.loaders import ResumableDataLoader, ResumableSampler
 from steadfast.own_orders import ReplaysOwnOrder
 from steadfast.resume import ExactResume
 from steadfast.runs import RunPlan
-from steadfast.speed import SpeedSwitch
+from steadfast.speed.switches import SpeedSwitch
 from steadfast.stream_resume import StreamLoader, StreamResume
 from steadfast.user_loaders import UserLoaders, saves_its_state
 
@@ -170,9 +170,10 @@ class Guarantees(Callback):
 def speed_switches(trainer: L.Trainer, switches: list[SpeedSwitch]) -> str:
     """`` | speed: ...``, the speed switches on in this run that change more than the loop (each set for the run and
     undone after: ``steadfast.run_scope``, ``host_memory``); empty when none is."""
-    from steadfast import host_memory, run_scope
+    from steadfast import run_scope
     from steadfast.checkpoint_io import AtomicCheckpointIO
     from steadfast.compat_logging import moves_skipped
+    from steadfast.speed import host_memory
 
     on = ["malloc keeps freed memory"] if host_memory.in_force else []
     on += ["heap frozen (gc)"] if run_scope.heap_frozen() else []

@@ -1,6 +1,6 @@
 """The engine's entry point, ``python -m steadfast`` (or ``python -m <project>``, which passes its base config):
 ``fit|validate|test|predict`` go to the LightningCLI (``steadfast.cli``), ``sweep`` to an Optuna study of fit runs
-(``steadfast.sweep``, which parses its trials' fit config with that CLI). Here, above both, so neither imports the
+(``steadfast.sweep.study``, which parses its trials' fit config with that CLI). Here, above both, so neither imports the
 other back."""
 
 import sys
@@ -19,7 +19,7 @@ def cli_main(
     base_config: Path | str | Sequence[Path | str] | None = None,
     program: str | None = None,
 ) -> CLI | None:
-    """``python -m steadfast fit|validate|test|predict ...``, or ``sweep ...`` (``steadfast.sweep``).
+    """``python -m steadfast fit|validate|test|predict ...``, or ``sweep ...`` (``steadfast.sweep.study``).
 
     ``base_config``: the config read before any other (the first of these paths that is a file), e.g. a project's
     ``configs/default.yaml``; ``program``: what the user runs (``python -m <program>``), in the commands the engine
@@ -30,7 +30,7 @@ def cli_main(
     with entered(program or outer.program, outer.base_config if base_config is None else base_config):
         argv = sys.argv[1:] if args is None else args
         if run and isinstance(argv, list | tuple) and list(argv[:1]) == ["sweep"]:
-            from steadfast.sweep import sweep_main  # optuna, from the sweep extra, only when sweeping
+            from steadfast.sweep.study import sweep_main  # optuna, from the sweep extra, only when sweeping
 
             sweep_main(list(argv[1:]))
             return None

@@ -20,7 +20,7 @@ from steadfast.compat import (
 from steadfast.elastic import GlobalBatch, Shape, epoch_note, has_batch_norm
 from steadfast.next_batch import record, verdict, watch
 from steadfast.sample_seeds import generator_states, set_generator_states
-from steadfast.sharded import ShardedStrategy
+from steadfast.sharded.strategy import ShardedStrategy
 
 
 class ExactResume(Callback):
@@ -136,7 +136,7 @@ class ExactResume(Callback):
         if shape is not None and trainer is not None and trainer.num_training_batches < math.inf:
             # limit_train_batches counts micro-batches: what an epoch was in samples, for a resume on another shape
             more["epoch_samples"] = int(_epoch_samples(trainer, shape))
-        if self.judge is not None:  # what ranks the run's files (steadfast.best), not parsed back from a state key
+        if self.judge is not None:  # what ranks the run's files (steadfast.judge), not parsed back from a state key
             more["judge"] = {"monitor": self.judge.monitor, "mode": self.judge.mode, "state_key": self.judge.state_key}
         trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
         if trainer is not None and trainer.state.fn == "fit" and trainer.train_dataloader is not None:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from steadfast.best import best_checkpoint
 from steadfast.checkpoint_files import CheckpointLoadError, load_checkpoint_file
 from steadfast.config import entry
-from steadfast.sharded import is_sharded_checkpoint, read_meta
+from steadfast.judge import best_checkpoint
+from steadfast.sharded.folders import is_sharded_checkpoint, read_meta
 
 
 class ResumeError(ValueError):
@@ -80,7 +80,7 @@ def find_last_checkpoint(family: Path) -> tuple[Path, int] | None:
 
 def find_best_checkpoint(name: str, family: Path) -> Path:
     """``best``: the best checkpoint of the newest run (the run ``last`` would pick); a run folder: that run's best
-    (``steadfast.best``). A run with no checkpoint saved by a monitoring ``ModelCheckpoint`` gives its newest
+    (``steadfast.judge``). A run with no checkpoint saved by a monitoring ``ModelCheckpoint`` gives its newest
     loadable one instead. Rank 0 prints which file and why; ``ResumeError`` when there is no checkpoint to give."""
     flag = f"--ckpt_path {name}"
     if name == "best":

@@ -22,8 +22,7 @@ import gc
 import os
 import signal
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
 
 from steadfast.compat_logging import (
     read_bar_values_without_waiting,
@@ -40,8 +39,7 @@ _freezing = False  # whether the run in progress froze the heap (and unfreezes i
 @contextlib.contextmanager
 def for_the_run() -> Iterator[None]:
     global _freezing
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    handlers: dict[int, Any] = {s: signal.getsignal(s) for s in SIGNALS} if on_main_thread else {}
+    put_back_handlers = handlers_kept(SIGNALS)
     # Python's full garbage collections walk every object alive, and importing Lightning leaves ~450k of them: one
     # pass cost 0.22 s of start-up here, more came during training, and the one at exit 1.2 s. Objects frozen now
     # are left out of those passes (the few dozen that are already garbage are kept); later ones are collected.
@@ -68,9 +66,23 @@ def for_the_run() -> Iterator[None]:
         if freeze:
             gc.unfreeze()
             _freezing = False
-        for signum, handler in handlers.items():
-            if handler is not None and signal.getsignal(signum) is not handler:  # None: set outside Python
+        put_back_handlers()
+
+
+def handlers_kept(signums: Iterable[int]) -> Callable[[], None]:
+    """The one way the engine sets signal handlers back (the run's here, a stage's in ``steadfast.signals``): the
+    handlers of ``signums`` as they are now, and a function that sets them back. Only the main thread can set a
+    handler, so elsewhere nothing is kept; a handler set outside Python (``None``) cannot be set again."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    kept = {s: signal.getsignal(s) for s in signums}
+
+    def put_back() -> None:
+        for signum, handler in kept.items():
+            if handler is not None and signal.getsignal(signum) is not handler:
                 signal.signal(signum, handler)
+
+    return put_back
 
 
 def freeze_what_was_built() -> None:

@@ -31,7 +31,7 @@ from steadfast.run_checkpoints import (
     read_positions,
     run_of,
 )
-from steadfast.sharded import is_checkpoint_folder
+from steadfast.sharded.folders import is_checkpoint_folder
 
 RUN_DIR_ENV = "PROJECT_RUN_DIR"  # the folder rank 0 claimed, for the ranks it starts
 RUN_RECORD = "run.json"  # the run's logger ids, for a resume to continue the same MLflow/W&B run
@@ -55,7 +55,7 @@ class Runs:
         patience: Validations without improvement of ``monitor`` after which ``fit`` stops (Lightning's
             ``EarlyStopping``); ``None``: never stops early.
         test_after_fit: When ``fit`` finishes (not when it is stopped), run ``test`` on its best checkpoint in the
-            same process, on every rank, logging ``test/*`` into the same run (``steadfast.after_fit``).
+            same process, on every rank, logging ``test/*`` into the same run (``steadfast.judge``).
         hang_timeout: Seconds without progress on any rank of a DDP run (no training, validation, test or predict
             batch, no checkpoint save) after which the run ends in one line naming the rank that stopped, its step,
             the intact checkpoint and the resume command (``steadfast.hang_watchdog``): 300 by default, well

@@ -60,9 +60,9 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
         for name, value in (("warmup_start_lr", warmup_start_lr or 0.0), ("eta_min", eta_min)):
             if value < 0:
                 raise ValueError(f"{name} ({value}) must be >= 0")
-        self.warmup, self.max_schedule, self.unit = warmup_epochs, max_epochs, unit  # as given, for fit_to
-        self.warmup_epochs = warmup_epochs  # W and M in scheduler steps
-        self.max_epochs = UNENDING if max_epochs is None else max_epochs
+        self.warmup_epochs, self.max_epochs, self.unit = warmup_epochs, max_epochs, unit  # as given, in units
+        # W and M in scheduler steps: the counts as given (pl_bolts) until fit_to converts them to this run's steps
+        self.warmup_steps, self.total_steps = warmup_epochs, UNENDING if max_epochs is None else max_epochs
         self.warmup_start_lr = warmup_start_lr
         self.eta_min = eta_min
         super().__init__(optimizer, last_epoch)
@@ -70,19 +70,13 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
     def get_lr(self) -> list[float]:
         return [
             warmup_cosine_lr(
-                self.last_epoch, base_lr, self.warmup_epochs, self.max_epochs, self._start(base_lr), self.eta_min
+                self.last_epoch, base_lr, self.warmup_steps, self.total_steps, self._start(base_lr), self.eta_min
             )
             for base_lr in self.base_lrs
         ]
 
     def _start(self, base_lr: float) -> float:
-        return base_lr / max(self.warmup_epochs, 1) if self.warmup_start_lr is None else self.warmup_start_lr
-
-    def set_horizon(self, warmup_epochs: int, max_epochs: int) -> None:
-        """Change W and M (e.g. epochs converted to steps once the data is known) and apply the new rate now."""
-        _check_horizon(warmup_epochs, max_epochs)
-        self.warmup_epochs, self.max_epochs = warmup_epochs, max_epochs
-        self._apply_lr()
+        return base_lr / max(self.warmup_steps, 1) if self.warmup_start_lr is None else self.warmup_start_lr
 
     def fit_to(self, trainer: Any, interval: str) -> None:
         """Sets the horizon for this run, once its length is known (``on_train_start``): the constructor's counts in
@@ -92,12 +86,25 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
         sooner (also ``fast_dev_run`` and ``max_epochs: -1``). A run shorter than its warmup still trains: the
         warmup is shortened to the run and one line says so.
         """
-        warmup_steps, total, note = _horizon(trainer, self.warmup, self.max_schedule, self.unit, interval)
-        self.set_horizon(warmup_steps, total)
+        # the constructor checked the counts; _horizon keeps warmup <= total
+        self.warmup_steps, self.total_steps, note = _horizon(trainer, self.warmup_epochs, self.max_epochs, self.unit,
+                                                             interval)  # fmt: skip
+        self._apply_lr()
         if note:
             rank_zero_info(f"LR schedule: {note}")
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if "max_schedule" in state_dict:  # engine <= 1.4.0 kept the counts as given in warmup/max_schedule, and
+            # the horizon in steps in warmup_epochs/max_epochs
+            state_dict = dict(state_dict)
+            state_dict["warmup_steps"], state_dict["total_steps"] = (
+                state_dict["warmup_epochs"],
+                state_dict["max_epochs"],
+            )
+            state_dict["warmup_epochs"], state_dict["max_epochs"] = (
+                state_dict.pop("warmup"),
+                state_dict.pop("max_schedule"),
+            )
         # Re-derive the rate from the restored step, whatever order the optimizer's own state was loaded in.
         super().load_state_dict(state_dict)
         self._apply_lr()
@@ -120,7 +127,7 @@ class FitScheduleToRun(Callback):
                 config.scheduler.fit_to(trainer, config.interval)
 
 
-def _check_horizon(warmup_epochs: int, max_epochs: int) -> None:
+def _check_horizon(warmup_epochs: int, max_epochs: int) -> None:  # the constructor's
     if warmup_epochs < 0 or max_epochs < 0:
         raise ValueError(f"warmup_epochs ({warmup_epochs}) and max_epochs ({max_epochs}) must be >= 0")
     if warmup_epochs > max_epochs:

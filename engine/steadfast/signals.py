@@ -11,6 +11,7 @@ there. One process decides at the end of the batch the signal came in.
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -23,6 +24,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from steadfast.agreement import AGREE_EVERY, Agreement
 from steadfast.checkpoint_io import wait_for_writes
 from steadfast.compat import request_stop_at_batch_end, sigterm_without_a_broadcast_per_batch
+from steadfast.run_scope import handlers_kept
 
 # Exit codes of a run stopped by a signal after saving last.ckpt: 128 + the signal's number, as a shell reports a
 # process killed by it, so launchers (torchrun, SLURM, CI, scripts) see a failure and can restart.
@@ -79,7 +81,7 @@ class Preemption(Callback):
         self._sigterm = False  # seen by this process, under DDP (one process: Lightning's own flag)
         self._interrupted = False  # a Ctrl-C agreed by all ranks
         self._preempted = False  # a SIGTERM agreed by all ranks, under DDP
-        self._previous: dict[int, Any] = {}  # the handlers found at setup
+        self._put_back_handlers: Callable[[], None] = lambda: None  # the handlers found at setup
         self._agreement: Agreement | None = None  # under DDP
         self._batch_ends = 0  # of this fit, the same count on every rank
         self._agreed: list[int] | None = None  # sums read at an epoch's end, acted on at the next batch end
@@ -88,7 +90,7 @@ class Preemption(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        self._previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGUSR1)}
+        self._put_back_handlers = handlers_kept((signal.SIGINT, signal.SIGUSR1))
         if not SLURMEnvironment.detect():
             signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
         if stage == "fit":
@@ -122,11 +124,8 @@ class Preemption(Callback):
     def _restore(self) -> None:
         self._undo_sigterm()
         self._undo_sigterm = lambda: None
-        previous, self._previous = self._previous, {}
-        if threading.current_thread() is threading.main_thread():
-            for signum, handler in previous.items():
-                if handler is not None:  # None: set outside Python, nothing to set back
-                    signal.signal(signum, handler)
+        put_back, self._put_back_handlers = self._put_back_handlers, lambda: None
+        put_back()
 
     def _end_agreement(self, wait: bool) -> None:
         agreement, self._agreement = self._agreement, None

@@ -46,7 +46,7 @@ def load_exported(path: Path):
 
     import torch
 
-    from steadfast.weights import build, load_net
+    from steadfast.export.weights import build, load_net
 
     path = Path(path)
     if path.suffix == ".safetensors":
@@ -72,7 +72,7 @@ def lightning_model(ckpt: Path):
     from lightning.pytorch import LightningModule
 
     from steadfast.checkpoint_files import load_checkpoint_file
-    from steadfast.weights import build
+    from steadfast.export.weights import build
 
     ckpt = Path(ckpt)
     module = build(yaml.safe_load((ckpt.parent.parent / "config.yaml").read_text())["model"], LightningModule)

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 
 from steadfast.checkpoint_io import AtomicCheckpointIO, wait_for_writes
-from steadfast.sharded import ShardedStrategy
+from steadfast.sharded.strategy import ShardedStrategy
 
 
 class KillAt(L.Callback):

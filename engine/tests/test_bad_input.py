@@ -312,7 +312,7 @@ def test_a_sharded_checkpoints_index_carrying_code_is_refused_unrun(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from steadfast.checkpoint_files import CheckpointLoadError
-    from steadfast.sharded import full_state_dict
+    from steadfast.sharded.folders import full_state_dict
 
     good = tmp_path / "good"  # a real DCP folder: its index's classes are let through
     dcp.save({"state_dict.w": torch.arange(4.0)}, checkpoint_id=good, no_dist=True)

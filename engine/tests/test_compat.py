@@ -255,7 +255,7 @@ def test_a_fit_logs_the_same_values_with_and_without_skipped_moves(tmp_path, mon
 def test_the_default_profiler_profiles_nothing_at_no_cost_and_a_chosen_one_still_profiles():
     from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
 
-    from steadfast.profiler import NoProfiler
+    from steadfast.speed.profiler import NoProfiler
     from tests.helpers import cli_main
 
     profiler = NoProfiler()

@@ -31,7 +31,7 @@ def test_every_config_parses(config, monkeypatch, capsys):
 def test_every_sweep_config_parses(config):
     """The sweep's own keys (its space against the fit parser: tests/test_configs.py, the space turns the
     example's arguments)."""
-    from steadfast.sweep import build_parser, sweep_from
+    from steadfast.sweep.study import build_parser, sweep_from
 
     parser = build_parser()
     sweep = sweep_from(parser, parser.parse_args(["--config", str(config)]))  # each spec checked as it is built

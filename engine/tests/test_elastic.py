@@ -15,7 +15,7 @@ import torch
 
 from steadfast.elastic import Shape, _keep, epoch_note
 from steadfast.loaders import ResumableSampler
-from steadfast.sharded import full_state_dict, read_meta
+from steadfast.sharded.folders import full_state_dict, read_meta
 from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, REPO, cli, run_dirs
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.export import export
+from steadfast.export.formats import export
 from steadfast.testing import lightning_model, load_exported, run_cli, run_dirs
 from tests.faults import kill_at
 from tests.helpers import DDP2, ENGINE, QUIET

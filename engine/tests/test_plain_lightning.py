@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from steadfast.checkpoint_files import load_checkpoint_file
-from steadfast.export import example_inputs
+from steadfast.export.formats import example_inputs
 from tests.fixtures.stand_in import BlobsDataModule, StandIn
 from tests.helpers import PYTHONPATH, QUIET, REPO, cli
 
@@ -89,7 +89,7 @@ def test_a_forward_of_two_inputs_is_traced_on_a_batchs_first_two_elements(monkey
         def predict_dataloader(self):
             return [batch]
 
-    import steadfast.export as export
+    import steadfast.export.formats as export
 
     monkeypatch.setattr(export, "build", lambda recipe, kind: Data())
     (args, kwargs), said = example_inputs(TwoInputs(), {"data": "x.Data"})

@@ -94,10 +94,10 @@ def test_predict_writes_index_pred_and_probabilities_of_every_sample_as_the_mode
     assert [int(r[0]) for r in rows] == list(range(PREDICT_SIZE))
     # independent oracle: the checkpoint's module on the test split, in this process, in one batch
     from steadfast.checkpoint_files import load_checkpoint_file
-    from steadfast.weights import instantiate
+    from steadfast.export.weights import build
 
     net = yaml.safe_load((fitted[1].parent.parent / "config.yaml").read_text())["model"]["init_args"]["net"]
-    module = StandIn(instantiate(net["class_path"], net["init_args"])).eval()
+    module = StandIn(build(net)).eval()
     module.load_state_dict(load_checkpoint_file(fitted[1])["state_dict"])
     data = BlobsDataModule()
     data.setup("predict")

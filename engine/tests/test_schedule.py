@@ -145,9 +145,23 @@ def test_the_schedule_fits_a_run_shorter_than_its_warmup(trainer_kwargs, warmup,
     trainer.fit(model, BlobsDataModule())
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     assert trainer.global_step == steps == len(lrs)
-    assert (scheduler.warmup_epochs, scheduler.max_epochs) == (warmup_steps, steps)
+    assert (scheduler.warmup_steps, scheduler.total_steps) == (warmup_steps, steps)
     # the closed form with the adapted horizon: linear from lr/W up to lr over the W warmup steps
     w = warmup_steps
     warmup = [0.01 / w + t * (0.01 - 0.01 / w) / max(1, w - 1) for t in range(w)]
     assert lrs[:w] == pytest.approx(warmup)
     assert all(lr < 0.01 for lr in lrs[w + 1 :])  # then the cosine decay, when the run is longer than the warmup
+
+
+def test_a_schedule_saved_by_engine_1_4_resumes_at_its_horizon_in_steps():
+    """Engine <= 1.4.0 saved the counts as given under ``warmup``/``max_schedule`` and the horizon in scheduler steps
+    under ``warmup_epochs``/``max_epochs`` (now ``warmup_steps``/``total_steps``): its checkpoints still load, at
+    the same rate (the closed form at the restored step)."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    saved = LinearWarmupCosineAnnealingLR(torch.optim.SGD([param], lr=0.1), warmup_epochs=2, max_epochs=10)
+    old = {k: v for k, v in saved.state_dict().items() if k not in ("warmup_steps", "total_steps")}
+    old |= {"warmup": 2, "max_schedule": 10, "warmup_epochs": 6, "max_epochs": 30, "last_epoch": 7}  # 3 steps/epoch
+    resumed = LinearWarmupCosineAnnealingLR(torch.optim.SGD([param], lr=0.1), warmup_epochs=2, max_epochs=10)
+    resumed.load_state_dict(old)
+    assert (resumed.warmup_epochs, resumed.max_epochs, resumed.warmup_steps, resumed.total_steps) == (2, 10, 6, 30)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(formula(7, 0.1, 6, 30, 0.0, 0.0))

@@ -4,11 +4,11 @@ resume after SIGKILL (epoch end and mid-epoch) against an uninterrupted run, res
 import pytest
 import torch
 
-from steadfast.best import best_checkpoint
-from steadfast.export import export
+from steadfast.export.formats import export
+from steadfast.export.weights import load_net
+from steadfast.judge import best_checkpoint
 from steadfast.run_checkpoints import read_global_step
-from steadfast.sharded import full_state_dict, read_meta
-from steadfast.weights import load_net
+from steadfast.sharded.folders import full_state_dict, read_meta
 from tests.faults import kill_at
 from tests.helpers import PYTHONPATH, QUIET, REPO, cli, newest_checkpoint, run_dirs, scalars
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from steadfast.schedule import FitScheduleToRun
-from steadfast.speed import Compile, MatmulPrecision
+from steadfast.speed.switches import Compile, MatmulPrecision
 from tests.fixtures.stand_in import BlobsDataModule, StandIn
 from tests.helpers import QUIET, REPO, cli, run_dirs, scalars
 

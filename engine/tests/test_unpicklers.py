@@ -17,7 +17,7 @@ import torch
 
 from steadfast.checkpoint_files import CheckpointLoadError, load_checkpoint_file
 from steadfast.compat_torch import load_bytes_weights_only
-from steadfast.sharded import INDEX, META, _IndexUnpickler, full_state_dict, read_index, read_meta
+from steadfast.sharded.folders import INDEX, META, _IndexUnpickler, full_state_dict, read_index, read_meta
 
 # (module, dotted name) pairs that reach os.system through modules an unpickler might allow
 DOTTED = [

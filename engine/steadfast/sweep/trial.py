@@ -1,4 +1,4 @@
-"""Inside one sweep trial (an ordinary ``fit`` run started by ``steadfast.sweep``): report the monitored metric to
+"""Inside one sweep trial (an ordinary ``fit`` run started by ``steadfast.sweep.study``): report the monitored metric to
 the Optuna study after each validation, stop every rank at the same epoch when the pruner says so, and record the
 trial in the run folder (``trial.json``) and its run folder and best checkpoint in the study."""
 
@@ -11,7 +11,7 @@ import optuna
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from steadfast.monitor import ReadsJudge
+from steadfast.judge import ReadsJudge
 
 TRIAL_RECORD = "trial.json"
 

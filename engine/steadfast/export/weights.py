@@ -2,7 +2,7 @@
 
 Read with no pickle, so no code runs on load but the named class's own ``__init__``::
 
-    from steadfast.weights import load_net
+    from steadfast.export.weights import load_net
     model = load_net("export/model.safetensors")  # eval mode, on the CPU
 
 The metadata holds ``class_path`` (``"my_lab.module.Classifier"``) and ``init_args`` (JSON), as in the run's config;
@@ -14,11 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
-
-
-def instantiate(class_path: str, init_args: dict[str, Any]) -> Any:
-    """``class_path(**init_args)``, built as LightningCLI builds it (see ``build``)."""
-    return build({"class_path": class_path, "init_args": init_args}, object)
 
 
 def build(recipe: dict[str, Any], base: type = nn.Module) -> Any:
@@ -59,15 +54,3 @@ def load_net(path: str | Path, device: str = "cpu") -> nn.Module:
     net = build({"class_path": metadata["class_path"], "init_args": json.loads(metadata.get("init_args", "{}"))})
     load_model(net, str(path), strict=True, device=device)
     return net.eval()
-
-
-def its_arguments(class_path: str, values: dict[str, Any]) -> dict[str, Any]:
-    """The entries of ``values`` that ``class_path``'s ``__init__`` takes by name: of a checkpoint's
-    ``hyper_parameters``, those that rebuild the saved module (``save_hyperparameters(ignore=...)`` and
-    ``self.hparams`` additions are none of them)."""
-    import importlib
-    import inspect
-
-    module_name, _, class_name = class_path.rpartition(".")
-    takes = set(inspect.signature(getattr(importlib.import_module(module_name), class_name).__init__).parameters)
-    return {k: v for k, v in values.items() if k in takes - {"self", "args", "kwargs"}}

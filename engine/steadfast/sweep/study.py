@@ -24,10 +24,10 @@ from steadfast.cli import run_cli
 from steadfast.config import entry
 from steadfast.errors import root_cause
 from steadfast.runs import check_save_dir
-from steadfast.sweep_report import report
-from steadfast.sweep_space import Sweep, check_space, fit_objective
-from steadfast.sweep_trial import open_storage
-from steadfast.sweep_worker import die_with_parent, sweep_lock, work
+from steadfast.sweep.report import report
+from steadfast.sweep.space import Sweep, check_space, fit_objective
+from steadfast.sweep.trial import open_storage
+from steadfast.sweep.worker import die_with_parent, sweep_lock, work
 
 
 def build_parser() -> ArgumentParser:

@@ -42,8 +42,9 @@ from lightning.pytorch import LightningDataModule, LightningModule
 
 from steadfast.checkpoint_files import load_checkpoint_file
 from steadfast.compat_torch import tree_leaves, tree_map
-from steadfast.sharded import full_state_dict
-from steadfast.weights import build, its_arguments, save_net
+from steadfast.config import its_arguments
+from steadfast.export.weights import build, save_net
+from steadfast.sharded.folders import full_state_dict
 
 FORMATS = ("safetensors", "onnx", "pt2", "pth")
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]

@@ -1,4 +1,4 @@
-"""A sweep's worker (``steadfast.sweep``): takes trials one at a time under the sweep's lock (a new one, or
+"""A sweep's worker (``steadfast.sweep.study``): takes trials one at a time under the sweep's lock (a new one, or
 one a dead worker left RUNNING, whose ``trial_N/worker.lock`` is free), runs each as a ``fit`` process of its own
 and tells the study how it ended.
 """
@@ -19,8 +19,8 @@ from typing import Any
 import optuna
 
 from steadfast.config import entry
-from steadfast.sweep_space import Sweep, suggest
-from steadfast.sweep_trial import ReportToStudy, open_storage, trial_id
+from steadfast.sweep.space import Sweep, suggest
+from steadfast.sweep.trial import ReportToStudy, open_storage, trial_id
 
 RESUMABLE = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # the trial saved last.ckpt and stopped: resume it
 

@@ -64,8 +64,8 @@ class Speed:
 
     Args:
         keep_freed_host_memory: CPU runs: each step reuses the host memory the last one freed (glibc's malloc
-            thresholds, ~20% of a large CPU step; ``steadfast.host_memory``), put back after the run. A run on a GPU
-            leaves malloc alone whatever this says.
+            thresholds, ~20% of a large CPU step; ``steadfast.speed.host_memory``), put back after the run. A run on
+            a GPU leaves malloc alone whatever this says.
         compile: ``torch.compile`` each of the module's networks in place (checkpoint keys unchanged): the first
             steps are slow, the rest faster on a GPU.
         matmul_precision: ``torch.set_float32_matmul_precision`` for the run: ``high`` lets Ampere+ GPUs use TF32
@@ -87,7 +87,7 @@ class Speed:
     def callbacks(self, given: list[Callback]) -> list[Callback]:
         """The switches this turns on, less those of a kind ``given`` already holds (a config of a copy made before
         1.0.0 lists them as callbacks)."""
-        from steadfast.host_memory import KeepFreedHostMemory
+        from steadfast.speed.host_memory import KeepFreedHostMemory
 
         wanted: list[Callback] = []
         if self.keep_freed_host_memory:
