@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from steadfast.checkpoint_files import FilePath, load_checkpoint_file
@@ -58,13 +57,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     (``teardown``), before a preemption or Ctrl-C exit (``signals``), and before a checkpoint is loaded. A failed
     background write is raised at the next save or at the end of ``fit``.
 
-    Saves of one point of training (the best-k file and the every-2-epochs file of one validation: the same step,
-    loop state and tensors) are one file under several names, hard links, written once. While ``OneFilePerPoint``
-    (an engine callback) runs, such saves are held until training moves on (the next batch or epoch, the end of
-    ``fit``, a signal), so that the file holds the last of them, whose callback states include every file of that
-    point; a save while another of its point is already being written is written on its own. ``last.ckpt``, which
-    each refresh rewrites under the same name, is never linked. Where the folder cannot hard-link (another
-    filesystem, some network mounts), each name is written in full.
+    Saves of one point of training (the best-k, every-2-epochs and ``last.ckpt`` files of one validation, and the
+    ``last.ckpt`` of the end of ``fit`` after its last validation: the same step and tensors, no training batch
+    between them) are one file under several names, hard links, written once. While ``OneFilePerPoint`` (an engine
+    callback) runs, such saves are held until training moves on (the next batch or epoch, the end of ``fit``, a
+    signal), so that the file holds the last of them, whose callback states include every file of that point; a
+    save while another of its point is already being written is written on its own. ``last.ckpt``, which each
+    refresh rewrites under its name, is linked too: a refresh renames a new file over the name, so the names
+    linked to the old one keep their bytes; a fit whose writer is another (a user's own ``CheckpointIO``, which
+    may write into the file) first gives a linked ``last.ckpt`` a file of its own (``OneFilePerPoint``). Where the
+    folder cannot hard-link (another filesystem, some network mounts), each name is written in full.
 
     The zip's CRC-32 of each record is not computed (``crc32``): ``torch.load`` never checks it, and it was half
     of a write's CPU time. Tools that verify zip archives (``unzip -t``) then report the records as damaged. Only
@@ -97,7 +99,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 return super().save_checkpoint(checkpoint, path, storage_options)
             return self._save_atomically(checkpoint, Path(path))
         self._raise_failed_write()
-        on_host = self._snapshot.take(checkpoint, before_copying=self.wait)  # a wait writes what is held first
+        # a wait writes what is held first; a point held is one no training batch has changed since
+        on_host = self._snapshot.take(checkpoint, before_copying=self.wait, untrained=self._held is not None)
         path = Path(path)
         if self._held is not None and self._snapshot.same_point:
             held = self._held
@@ -133,13 +136,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         """Training moved on: the saves held for the point just left are queued for the writer."""
         held, self._held = self._held, None
         if held is not None:
-            # last.ckpt is rewritten under its name at each refresh: never linked, since a writer that rewrites a
-            # file in place (Lightning's own, when its temporary folder is on another filesystem) would also
-            # change the files linked to it; the others' names are new each time
-            alone = [p for p in held.paths if p.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)]
-            shared = [p for p in held.paths if p not in alone]
-            for paths in ([shared] if shared else []) + [[p] for p in alone]:
-                self._submit(self._save_atomically, held.checkpoint, *paths)
+            # last.ckpt too: this writer rewrites it by a rename, never into the file, so the names linked to it
+            # keep their bytes; a fit with another writer gives it a file of its own first (OneFilePerPoint)
+            self._submit(self._save_atomically, held.checkpoint, *held.paths)
             for path in held.removals:
                 self._submit(self._remove_unless_a_write_failed, path)
 

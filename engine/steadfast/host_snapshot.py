@@ -34,12 +34,20 @@ class HostSnapshot:
         # its memory cannot be freed and reused by another tensor with the same key.
         self._copies: dict[tuple, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
 
-    def take(self, checkpoint: dict[str, Any], before_copying: Callable[[], None]) -> dict[str, Any]:
+    def take(
+        self, checkpoint: dict[str, Any], before_copying: Callable[[], None], untrained: bool = False
+    ) -> dict[str, Any]:
         """The checkpoint with every tensor replaced by its host copy (containers rebuilt, so later changes to the
         trainer's dicts do not reach the file). ``before_copying`` runs first unless the copy only adds new
-        buffers, small ones: it waits for the writes still reading the buffers."""
+        buffers, small ones: it waits for the writes still reading the buffers.
+
+        ``untrained``: the caller knows that no training batch ran since the last take (``AtomicCheckpointIO``
+        holds its point until one starts). A save at the same global step with the same parts is then at the same
+        point though the loops' counters moved on: ``last.ckpt`` at the end of ``fit`` after the last validation's
+        best-k file, a validation's files after a batch end's ``last.ckpt``."""
         progress = _progress(checkpoint)
-        same_point = self.same_point = progress is not None and _equal(progress, self._progress)
+        same_point = progress is not None and _equal(progress, self._progress)
+        same_point = self.same_point = same_point or (untrained and _same_step(progress, self._progress))
         tensors: list[torch.Tensor] = []
         _map_tensors(checkpoint, tensors.append)
         fresh = {_key(t): t for t in tensors}
@@ -110,6 +118,11 @@ def _progress(checkpoint: dict[str, Any]) -> Any:
     if "loops" not in checkpoint:
         return None
     return checkpoint.get("epoch"), checkpoint.get("global_step"), checkpoint["loops"], sorted(checkpoint)
+
+
+def _same_step(a: Any, b: Any) -> bool:
+    """The same global step and parts, whatever the loops' counters say."""
+    return a is not None and b is not None and _equal((a[1], a[3]), (b[1], b[3]))
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -1,7 +1,10 @@
 """The callback that tells the background checkpoint writer (``steadfast.checkpoint_io``) when training moves on
 from a point, so that the saves of that point are one file under their names."""
 
+import os
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -14,15 +17,19 @@ from steadfast.compat import count_pending_saves_as_files, restore_file_exists
 
 class OneFilePerPoint(Callback):
     """Tells the template's checkpoint writer (``AtomicCheckpointIO``) when training moves on from a point, so that
-    the saves of that point (the best-k, every-2-epochs and ``last.ckpt`` files of one validation) are written as
-    one file under their names, holding the state after the last of them. Held between a validation's end and the
-    next training batch (or epoch start, or the end of ``fit``): a kill in between loses that point's files, as a
-    kill during their write would.
+    the saves of that point (the best-k, every-2-epochs and ``last.ckpt`` files of one validation, and the
+    ``last.ckpt`` of the end of ``fit``) are written as one file under their names, holding the state after the
+    last of them. Held between a validation's end and the next training batch (or epoch start, or the end of
+    ``fit``): a kill in between loses that point's files, as a kill during their write would.
 
     A name whose save is held or still being written counts as taken when a ``ModelCheckpoint`` asks whether its
     file exists (``file_exists``), as it would once on disk: two of them with the same file name at one point get
     ``name`` and ``name-v1``, Lightning's way, instead of one file that the first one's top k would delete from
     under the other.
+
+    A fit whose checkpoints another ``CheckpointIO`` writes (a user's own, which may rewrite ``last.ckpt`` in
+    place) first gives a ``last.ckpt`` that an earlier fit linked a file of its own, so that no rewrite reaches
+    the best-k file it shared.
     """
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -32,6 +39,16 @@ class OneFilePerPoint(Callback):
             for callback in trainer.checkpoint_callbacks:
                 if isinstance(callback, ModelCheckpoint):
                     count_pending_saves_as_files(callback, _pending_write(io))
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # another writer may rewrite last.ckpt in place (Lightning's own, when its temporary folder is on another
+        # filesystem): a last.ckpt an earlier fit linked to a best-k file gets a file of its own first
+        if not isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO) and trainer.is_global_zero:
+            for callback in trainer.checkpoint_callbacks:
+                if isinstance(callback, ModelCheckpoint) and callback.dirpath and "://" not in str(callback.dirpath):
+                    for path in Path(callback.dirpath).glob(f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}*.ckpt"):
+                        if path.is_file() and path.stat().st_nlink > 1:
+                            _own_file(path)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._close(trainer)
@@ -50,6 +67,20 @@ class OneFilePerPoint(Callback):
         io = trainer.strategy.checkpoint_io
         if isinstance(io, AtomicCheckpointIO):
             io.close_point()
+
+
+def _own_file(path: Path) -> None:
+    """``path`` as a file of its own, no longer linked to the others: a copy renamed over it, so that a kill at
+    any moment leaves it whole."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        shutil.copyfile(path, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _pending_write(io: AtomicCheckpointIO) -> Callable[[FilePath, L.Trainer], bool]:

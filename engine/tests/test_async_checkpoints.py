@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from steadfast.checkpoint_io import AtomicCheckpointIO
 from steadfast.host_snapshot import HostSnapshot
@@ -231,13 +232,12 @@ def test_saves_of_one_point_are_one_file_with_the_last_ones_state_written_when_t
     io.wait()
     assert not dropped.exists() and not list(tmp_path.glob("*.tmp"))
     inodes = {(tmp_path / n).stat().st_ino for n in names}
-    assert len(inodes) == 1 and (tmp_path / "best.ckpt").stat().st_nlink == 3  # one file, written once
+    assert len(inodes) == 1 and (tmp_path / "best.ckpt").stat().st_nlink == 4  # one file, written once
     saved = torch.load(tmp_path / "best.ckpt", weights_only=True)
     assert saved["callbacks"] == last["callbacks"]  # the last save's: the best-k file knows the every-2 file
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in wanted.items())
-    # last.ckpt, rewritten under its name at each refresh, is a file of its own with the same bytes
-    assert (tmp_path / "last.ckpt").stat().st_nlink == 1
-    assert (tmp_path / "last.ckpt").read_bytes() == (tmp_path / "best.ckpt").read_bytes()
+    # last.ckpt too: each refresh renames a new file over its name, never writing into this one
+    assert (tmp_path / "last.ckpt").stat().st_ino in inodes
     (tmp_path / "last.ckpt").unlink()
 
     # The next point's save writes the held one first (its buffers are refilled), and is then held itself.
@@ -246,6 +246,99 @@ def test_saves_of_one_point_are_one_file_with_the_last_ones_state_written_when_t
     assert (tmp_path / "b2.ckpt").exists() and not (tmp_path / "last.ckpt").exists()
     io.teardown()  # the end of fit: written
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 30
+
+
+def test_last_ckpt_at_the_end_of_fit_is_the_last_validations_file_unless_training_or_the_weights_moved(tmp_path):
+    """The end of fit saves last.ckpt at the step of the last validation, with the epoch counted done: no batch
+    trained between them, so one file holds the end's state under both names. A batch in between (the point
+    closed), or weights changed in place (a callback averaging them at the end), keep the files apart."""
+    import os
+
+    def validation_then_end(folder, between) -> tuple[dict, dict]:
+        folder.mkdir()
+        io = AtomicCheckpointIO()
+        io.hold_points = True
+        point = state(20, seed=0)
+        best = {**point, "callbacks": {"best": "best.ckpt"}}
+        io.save_checkpoint(best, folder / "best.ckpt")
+        between(io, point)
+        end = {
+            **point,
+            "epoch": 1,
+            "loops": {"batches": 20, "epochs": 1},
+            "callbacks": {"best": "best.ckpt", "last": 1},
+        }
+        io.save_checkpoint(end, folder / "last.ckpt")
+        io.teardown()
+        assert not list(folder.glob("*.tmp"))
+        return {k: v.clone() for k, v in best["state_dict"].items()}, {
+            k: v.clone() for k, v in end["state_dict"].items()
+        }
+
+    def load(path):
+        return torch.load(path, weights_only=True)
+
+    validation_then_end(tmp_path / "end", lambda io, point: None)
+    best, last = tmp_path / "end" / "best.ckpt", tmp_path / "end" / "last.ckpt"
+    assert os.path.samefile(best, last)  # one file, written once
+    assert load(last)["loops"] == {"batches": 20, "epochs": 1} and load(last)["callbacks"]["last"] == 1
+
+    validation_then_end(tmp_path / "trained", lambda io, point: io.close_point())  # a batch started in between
+    best, last = tmp_path / "trained" / "best.ckpt", tmp_path / "trained" / "last.ckpt"
+    assert not os.path.samefile(best, last) and load(best)["loops"] == {"batches": 20}
+
+    validated, averaged = validation_then_end(
+        tmp_path / "moved", lambda io, point: point["state_dict"]["net.w"].mul_(0.5)
+    )
+    best, last = tmp_path / "moved" / "best.ckpt", tmp_path / "moved" / "last.ckpt"
+    assert not os.path.samefile(best, last)
+    assert torch.equal(load(best)["state_dict"]["net.w"], validated["net.w"] * 2)  # the weights it was scored with
+    assert torch.equal(load(last)["state_dict"]["net.w"], averaged["net.w"])
+
+
+class InPlaceWriter(TorchCheckpointIO):
+    """A user's own writer that rewrites a file in place (as ``shutil.move`` from a temporary folder on another
+    filesystem does): the bytes of every name linked to it change with it."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        with open(path, "wb") as f:
+            torch.save(checkpoint, f)
+
+
+@pytest.mark.slow  # two fits (~8 s)
+def test_a_fit_with_a_writer_that_writes_in_place_first_unlinks_last_ckpt_from_the_best_k_file(tmp_path):
+    import os
+
+    args = [*QUIET, "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1", "--model.warmup", "0",
+            "--model.net.init_args.hidden_sizes", "[32]"]  # fmt: skip
+    cli_in_process("fit", *args, "--trainer.max_epochs", "1", root=tmp_path)
+    folder = tmp_path / RUN_NAME / "version_0" / "checkpoints"
+    (best,) = folder.glob("best-*.ckpt")
+    (folder / "last.ckpt").unlink()
+    os.link(best, folder / "last.ckpt")  # as the engine's writer leaves the end of a fit (one file, two names)
+    before = best.read_bytes()
+    plugin = ["--trainer.plugins", "tests.test_async_checkpoints.InPlaceWriter"]
+    cli_in_process("fit", *args, *plugin, "--trainer.max_epochs", "2", "--ckpt_path", "last", root=tmp_path)
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 6  # rewritten in place
+    assert best.read_bytes() == before and not list(folder.glob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_sigkill_during_the_end_of_fits_one_write_leaves_whole_files_and_resumes_exactly(reference, tmp_path):
+
+    # The end's last.ckpt and the last validation's best-k file are one write: killed half-way through it, no
+    # name of it is there yet, every file there loads, and last.ckpt is step 16's (every 4 steps).
+    kill = ["--trainer.plugins", "tests.faults.KillDuringWrite", "--trainer.plugins.step", "18"]
+    proc = cli("fit", *ARGS, *kill, "--trainer.plugins.name", "best-epoch002-step18.ckpt", "--run.root", "runs",
+               cwd=tmp_path, check=False)  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    folder = tmp_path / "runs" / RUN_NAME / "version_0" / "checkpoints"
+    assert (folder / "best-epoch002-step18.ckpt.tmp").stat().st_size > 0  # precondition: killed in the write
+    for path in folder.glob("*.ckpt"):
+        torch.load(path, weights_only=True)  # whole: each loads
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 16
+    cli("fit", *ARGS, "--run.root", "runs", "--ckpt_path", "last", cwd=tmp_path)
+    assert_same_weights(tmp_path / "runs", reference)
 
 
 def test_where_hard_links_fail_each_name_of_a_point_is_written_in_full(tmp_path, monkeypatch):
@@ -320,13 +413,17 @@ def test_a_validations_files_are_one_file_equal_to_the_last_one_synchronous_save
 
     linked = [(b, e) for b in names for e in names if b.startswith("best-epoch") and e == b[5:13] + ".ckpt"]
     assert len(linked) == 2, names  # epochs 1 and 3: each saved by the best-3 and the every-2-epochs callback
-    for best, every in linked:
-        assert os.path.samefile(bg / best, bg / every)
-        second, first = (best, every) if best_second else (every, best)
-        assert _same(load(bg, best), load(sync, second)) == []  # the state after both saves
-        assert _same(load(bg, best), load(sync, first)) == ["/callbacks"]  # Lightning's first file lacks the second
+    (best, every), end = linked
+    assert os.path.samefile(bg / best, bg / every)
+    second, first = (best, every) if best_second else (every, best)
+    assert _same(load(bg, best), load(sync, second)) == []  # the state after both saves
+    assert _same(load(bg, best), load(sync, first)) == ["/callbacks"]  # Lightning's first file lacks the second
+    # The last validation's files and the end's last.ckpt (no batch trained between them): one file, the state at
+    # the end of fit, equal to Lightning's last.ckpt, written after them
+    assert all(os.path.samefile(bg / name, bg / "last.ckpt") for name in end)
+    assert _same(load(bg, "last.ckpt"), load(sync, "last.ckpt")) == []
     for name in names:  # the others: each its own file, equal to Lightning's
-        if not any(name in pair for pair in linked):
+        if not any(name in pair for pair in linked) and name != "last.ckpt":
             assert (bg / name).stat().st_nlink == 1 and _same(load(bg, name), load(sync, name)) == [], name
 
 
