@@ -243,8 +243,10 @@ def _flush_loggers(trainer: L.Trainer) -> None:
             logger.flush()
         else:
             logger.save()
-            if hasattr(logger.experiment, "flush"):
-                logger.experiment.flush()
+            # Lightning's Logger has no ``experiment``: a logger written from its docs may not have one
+            flush = getattr(getattr(logger, "experiment", None), "flush", None)
+            if callable(flush):
+                flush()
 
 
 def _flush_each_save(trainer: L.Trainer, on: bool) -> None:

@@ -12,10 +12,7 @@ from tests.helpers import QUIET, cli_in_process
 class OwnLogger(Logger):
     """A logger of the user's own: the engine cannot point it at the run or continue its run on a resume."""
 
-    name, version = "own", 0
-    # Lightning's Logger has no ``experiment``; the engine's save reads it (steadfast.resume._flush_loggers), so a
-    # logger written from Lightning's docs without one ends the fit in an AttributeError at its first save (reported)
-    experiment = None
+    name, version = "own", 0  # and no ``experiment``, as Lightning's Logger has none: the engine's saves flush it
 
     def log_metrics(self, metrics, step=None) -> None:
         pass
