@@ -72,12 +72,13 @@ class ExactResume(Callback):
         self._next_batch: list[Any] | None = None  # the checkpoint's records of its next batch
         self._verdict: tuple[str, str] | None = None
         self._epoch_loop_afresh = False  # the checkpoint's ended epoch was counted complete (compat)
+        self._threads_saved: int | None = None  # the CPU threads the checkpoint was computed on
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
         self._metrics = {name: m for name, m in pl_module.named_modules() if isinstance(m, Metric)}
         self._not_trained = dict(self._metrics)
-        self._threads_saved: int | None = None
+        self._threads_saved = None
         # The count stays as it is; MKL stops choosing its own per call (mkl_set_dynamic(false)). The one setting of
         # the engine that outlives the run: PyTorch cannot turn MKL's own choice back on, and it changes no result.
         # It is process-wide: DataLoader's pin-memory thread (only with an accelerator) turns it off too when it starts,
@@ -191,6 +192,13 @@ class ExactResume(Callback):
                 f"the checkpoint was computed on {saved} CPU thread(s), this run on {torch.get_num_threads()}: a CPU "
                 f"matmul sums in another order, so results differ in the last bits (OMP_NUM_THREADS={saved} on a "
                 "machine with that many cores resumes bit-exact)"
+            )
+        listed = sorted(n for n, m in self._metrics.items() if not all(map(torch.is_tensor, m.metric_state.values())))
+        if listed and trainer.world_size > 1:  # their states are gathered across ranks as tensors of one shape
+            out.append(
+                f"torchmetrics with list states ({', '.join(listed[:3])}{', ...' if len(listed) > 3 else ''}) are not "
+                "kept in checkpoints under DDP: if training updates them, their epoch value after a mid-epoch resume "
+                "covers only the batches after it"
             )
         # (under sharding its "Resharded ... from N ranks to M" line says so already)
         resharded = isinstance(trainer.strategy, ShardedStrategy)

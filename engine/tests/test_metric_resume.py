@@ -43,3 +43,20 @@ def test_a_mid_epoch_resume_logs_the_uninterrupted_runs_epoch_metric(tmp_path):
     expected, got = scalars(reference)["train/acc"], scalars(run)["train/acc"]
     print(f"train/acc uninterrupted {expected}, resumed {got}")
     assert len(expected) == 2 and got[-1] == expected[-1]  # epoch 1's value, over all 12 batches
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_start_line_names_metrics_with_list_states_that_ddp_checkpoints_leave_out(world_size):
+    """Under DDP the epoch's metric states are gathered as tensors of one shape, so a metric with list states
+    (``CatMetric``, ``AUROC``'s) is not kept: the start line says so (one process keeps every state)."""
+    from types import SimpleNamespace
+
+    from torchmetrics import CatMetric, MeanMetric
+
+    from steadfast.resume import ExactResume
+
+    resume = ExactResume()
+    resume._metrics = {"train_mean": MeanMetric(), "train_scores": CatMetric()}
+    notes = resume.notes(SimpleNamespace(ckpt_path=None, world_size=world_size, strategy=None), None)
+    named = [n for n in notes if "list states (train_scores)" in n and "not kept in checkpoints under DDP" in n]
+    assert len(named) == (world_size > 1), notes
