@@ -7,11 +7,13 @@ What it guarantees, and what user code does to get each guarantee:
   (config, checkpoints, logs), never into an earlier run's; with any Lightning logger or none. Nothing to do.
 - **Exact resume** (``resume``, ``user_loaders``, ``loaders``): ``fit --ckpt_path last`` continues the newest run
   bitwise equal to an uninterrupted one (weights, optimizer, LR, every rank's RNG states, the data position
-  mid-epoch, the epoch's torchmetrics states so far, kept beside the weights), also under DDP. User code: return
-  plain ``DataLoader``s from the ``*_dataloader`` hooks; the engine puts in its samplers, as Lightning puts in its
-  ``DistributedSampler``. What it cannot rebuild (an
-  ``IterableDataset`` without state, your own sampler or batch sampler) is named in the start line. Draw
-  randomness from torch/numpy/random's global generators, or seed it per sample. A resume checks it
+  mid-epoch, the epoch's torchmetrics states so far, kept beside the weights), also under DDP (where a metric with
+  list states is not kept, and the start line says so). User code: return plain ``DataLoader``s from the
+  ``*_dataloader`` hooks; the engine puts in its samplers, as Lightning puts in its ``DistributedSampler``. Your own
+  sampler or batch sampler is drawn again and continued (``own_orders``); an ``IterableDataset`` resumes at its
+  ``state_dict`` or is fast-forwarded past the samples trained on (``stream_resume``); a loader that keeps its own
+  position resumes at it (``own_positions``); what cannot follow is named in the start line. Draw randomness from
+  torch/numpy/random's global generators, or seed it per sample. A resume checks it
   (``next_batch``): each checkpoint records the batch its run trains on next, and the resumed run's start line says
   ``resume verified`` at its first batch, or names the first difference, or why it could not compare.
 - **Elastic resume** (``elastic``, ``loaders``, ``resume``): ``fit --ckpt_path last --trainer.devices M`` continues
@@ -27,7 +29,8 @@ What it guarantees, and what user code does to get each guarantee:
   ``checkpoint_files``): ``last.ckpt`` on a timer, at the end and on a signal, the periodic files, written by
   atomic rename in the background, loaded with ``weights_only``; the files of one validation are one file under
   their names. Nothing to do: they come with any ``trainer.callbacks`` / ``trainer.plugins`` list a config gives
-  (``--checkpoints.*`` are the settings; the start line names what is off).
+  (``--checkpoints.*`` are the settings; the start line names what is off), except that a ``CheckpointIO`` of your
+  own in ``trainer.plugins`` writes the files in place of the engine's atomic writer (named under ``off:``).
 - **Speed** (``speed/``, ``host_snapshot``, ``loggers``, ``compat_logging``): a CPU step reuses the
   memory the last one freed; saves cost the loop only a copy to host memory; ``self.log`` and the hooks' profiling
   cost next to nothing per step. Nothing to do. Each switch that changes more than the loop is named in the start

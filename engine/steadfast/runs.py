@@ -47,7 +47,8 @@ class Runs:
         root: Folder that holds every kind of run.
         name: Subfolder for this kind of run; ``None``: named after the data module (``CifarDataModule``: ``cifar``).
         monitor: The metric, as the module logs it with ``self.log``, that ranks the checkpoints. ``None``: no best
-            checkpoints, only the ``ModelCheckpoint`` callbacks of ``trainer.callbacks`` (``last.ckpt``, periodic).
+            checkpoints, only the engine's ``last.ckpt`` and periodic files (``checkpoints.*``) and those of a
+            ``ModelCheckpoint`` in ``trainer.callbacks``.
             A fit whose module does not log it stops at the first validation's end, before training, naming the
             keys it does log.
         mode: Whether a smaller (``min``, a loss) or larger (``max``, an accuracy) ``monitor`` is better.
