@@ -108,7 +108,9 @@ def fit_pairs(repeats: int, epochs: int, threads: int, folder: Path, checkouts: 
     for r in range(repeats):
         order = [(c, side) for c in checkouts for side in (sides if r % 2 == 0 else list(sides)[::-1])]
         for checkout, side in order if r % 2 == 0 else order[::-1]:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")]),
+            # the checkout's own engine, not the one installed (a worktree of a commit since the engine's move)
+            paths = [str(checkout), *([str(checkout / "engine")] if (checkout / "engine").is_dir() else [])]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]),
                    "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}  # fmt: skip
             work = folder / f"{r}-{checkouts.index(checkout)}-{side}"
             work.mkdir()
