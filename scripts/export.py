@@ -3,7 +3,7 @@
 Writes DIR/model.<format> of the run's LightningModule itself (rebuilt from the run's config.yaml, so run it from
 the project folder), and DIR/model.onnx.data when the ONNX exporter keeps the weights beside the graph (keep the two
 together). Load them:
-  safetensors: from steadfast.export.weights import load_net; model = load_net("DIR/model.safetensors")
+  safetensors: from steadfast import load_net; model = load_net("DIR/model.safetensors")
   onnx:        onnxruntime.InferenceSession("DIR/model.onnx").run(None, {"input": x.numpy()})[0]
   pt2:         torch.export.load("DIR/model.pt2").module()(x)
   pth:         model = build(json.load(open("DIR/model.json"))); model.load_state_dict(torch.load("DIR/model.pth"))

@@ -89,6 +89,7 @@ _PUBLIC = {
     "LinearWarmupCosineAnnealingLR": "steadfast.schedule",
     "ShardedStrategy": "steadfast.sharded.strategy",
     "ThrottledTensorBoardLogger": "steadfast.loggers",
+    "load_net": "steadfast.export.weights",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -90,7 +90,7 @@ def test_safetensors_carry_the_module_recipe_and_load_with_no_pickle_as_an_ordin
     # A fresh interpreter where unpickling anything fails once the classes are imported
     code = (
         "import pickle\n"  # the module's class imported first: Lightning's own imports subclass pickle's classes
-        "import torch, tests.fixtures.stand_in; from steadfast.export.weights import load_net\n"
+        "import torch, tests.fixtures.stand_in; from steadfast import load_net\n"
         "pickle.loads = pickle.load = pickle.Unpickler = torch.load = None\n"
         f"net = load_net({str(paths['safetensors'])!r}); print(net(torch.zeros(3, 1, 8, 8)).shape)"
     )
