@@ -1,5 +1,8 @@
 """A project that used plain Lightning brings its checkpoints: one written by ``Trainer.fit`` without the engine is
-validated, tested, exported and resumed by the engine's CLI (the resume said to be inexact: no engine state)."""
+validated, tested, predicted, exported and resumed by the engine's CLI (the resume said to be inexact: no engine
+state), with plain Lightning's own numbers for the same checkpoint as the oracle."""
+
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -8,14 +11,15 @@ import torch
 from steadfast.checkpoint_files import load_checkpoint_file
 from steadfast.export.formats import example_inputs
 from tests.fixtures.stand_in import BlobsDataModule, StandIn
-from tests.helpers import PYTHONPATH, QUIET, REPO, cli
+from tests.helpers import PYTHONPATH, QUIET, REPO, cli, cli_in_process
 
 SMALL = ["--model.net.init_args.hidden_sizes", "[32]", "--model.lr", "0.01"]
 
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    """A checkpoint of plain Lightning (no CLI, no engine) of a non-default StandIn, and its own validation."""
+    """A checkpoint of plain Lightning (no CLI, no engine) of a non-default StandIn, and plain Lightning's own
+    validation, test and predictions of it: ``{"val/acc": ..., "test/loss": ..., "prob": (N, 10) tensor}``."""
     from tests.fixtures.stand_in import MLP
 
     folder = tmp_path_factory.mktemp("plain")
@@ -27,7 +31,9 @@ def plain(tmp_path_factory):
     trainer.save_checkpoint(folder / "plain.ckpt")
     evaluator = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
     (metrics,) = evaluator.validate(model, data, verbose=False)  # the oracle: plain Lightning's own numbers
-    return folder, metrics
+    (tested,) = evaluator.test(model, data, verbose=False)
+    predicted = evaluator.predict(model, data)  # the test split, in dataset order (predict_dataloader: no shuffle)
+    return folder, {**metrics, **tested, "prob": torch.cat([batch["prob"] for batch in predicted])}
 
 
 @pytest.mark.slow
@@ -49,6 +55,33 @@ def test_validate_and_resume_a_plain_lightning_checkpoint(plain, tmp_path):
            "it); see opts out" in line and "holds no resume state of the engine's" in line, line  # fmt: skip
     (last,) = tmp_path.glob("runs/*/version_*/checkpoints/last.ckpt")
     assert load_checkpoint_file(last)["global_step"] == 6  # continued from the plain run's 3 steps
+
+
+def test_test_and_predict_a_plain_lightning_checkpoint_give_plain_lightnings_numbers(plain, tmp_path):
+    folder, oracle = plain
+    ckpt = str(folder / "plain.ckpt")
+    assert "_class_path" not in load_checkpoint_file(ckpt)["hyper_parameters"]  # the precondition: not the CLI's
+    tested = cli_in_process("test", *QUIET, *SMALL, "--ckpt_path", ckpt, root=tmp_path)
+    logged = {k: v.item() for k, v in tested.trainer.callback_metrics.items() if k.startswith("test/")}
+    expected = {k: oracle[k] for k in logged}
+    print(f"test of a plain checkpoint: engine {logged}, plain Lightning {expected}")
+    assert logged.keys() == {"test/acc", "test/loss"}, logged
+    for key in logged:
+        assert logged[key] == pytest.approx(oracle[key], rel=1e-6), (key, logged, oracle)
+
+    predicted = cli_in_process("predict", *QUIET, *SMALL, "--ckpt_path", ckpt, root=tmp_path)
+    run = Path(predicted.trainer.default_root_dir)
+    saved = torch.load(run / "predictions.pt", weights_only=True)
+    probs = oracle["prob"]  # plain Lightning's predict of the same checkpoint: the module's own outputs
+    header, *rows = (run / "predictions.csv").read_text().splitlines()
+    written = torch.tensor([[float(v) for v in row.split(",")[2:]] for row in rows])
+    delta_pt, delta_csv = (saved["prob"] - probs).abs().max().item(), (written - probs).abs().max().item()
+    print(f"predict of a plain checkpoint: {len(rows)} rows, max |delta| vs plain Lightning: pt {delta_pt:.3g}, "
+          f"csv {delta_csv:.3g}")  # fmt: skip
+    assert header.split(",")[:2] == ["index", "pred"] and len(rows) == len(probs) > 0
+    assert saved["index"].tolist() == list(range(len(probs)))  # every sample once, in dataset order
+    assert delta_pt <= 1e-6 and delta_csv <= 1e-6
+    assert torch.equal(saved["pred"], probs.argmax(-1))
 
 
 @pytest.mark.slow
