@@ -19,6 +19,7 @@ from tests.helpers import (
     REPO,
     STAND_IN,
     cli,
+    max_abs_diff,
     newest_checkpoint,
     run_dirs,
     saved_steps,
@@ -152,6 +153,32 @@ def test_sigterm_saves_last_and_exits_143_and_the_resume_is_exact(uninterrupted,
     )  # stops after the batch in flight
     cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
     assert_same_run(uninterrupted, tmp_path)
+
+
+def test_sigusr1_outside_slurm_saves_last_and_exits_as_sigterm_and_the_resume_is_exact(uninterrupted, tmp_path):
+    # SIGUSR1 is what a scheduler sends ahead of a time limit (SLURM's --signal, others'); outside SLURM the engine
+    # takes it as a SIGTERM (steadfast.signals.Preemption.setup). Under SLURM it is Lightning's requeue: test_launch.py
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    assert not SLURMEnvironment.detect()  # the precondition: the run (which inherits this environment) is not SLURM's
+    proc = cli("fit", *BASE, *kill_at(33, signal.SIGUSR1), cwd=tmp_path, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 143, out[-2000:]  # as SIGTERM's, not -10 (killed by SIGUSR1's default action)
+    assert "Preempted: saved" in out and "Traceback" not in out, out[-2000:]
+    (run,) = run_dirs(tmp_path)
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"]
+    print(f"SIGUSR1 before step 34's batch: exit {proc.returncode}, last.ckpt of step {saved['global_step']}, "
+          f"epoch {saved['epoch']} batch {progress}")  # fmt: skip
+    # the signal comes as step 34's batch starts; the run stops after it: epoch 1's batch 14 of 20, mid-epoch
+    assert saved["global_step"] == 34 and saved["epoch"] == 1 and progress == 14, (saved["global_step"], progress)
+    cli("fit", *BASE, "--ckpt_path", "last", cwd=tmp_path)
+    assert_same_run(uninterrupted, tmp_path)
+    (_, ref), (_, got) = final_state(uninterrupted), final_state(tmp_path)
+    weights = max_abs_diff(ref["state_dict"], got["state_dict"])
+    optimizer = max_abs_diff(ref["optimizer_states"], got["optimizer_states"])
+    print(f"resumed after SIGUSR1 vs uninterrupted: max |dw| {weights}, max |d optimizer state| {optimizer}")
+    assert weights == optimizer == 0.0
 
 
 @pytest.mark.long  # CI and make test-all; a signal's save and resume: the SIGTERM test
