@@ -49,7 +49,9 @@ def is_loadable(path: Path) -> bool:
 
 def checkpoints_newest_first(folder: Path, *patterns: str) -> list[Path]:
     files = [p for pattern in patterns for p in folder.glob(pattern) if p.is_file() or is_sharded_checkpoint(p)]
-    return sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)
+    # the names of one file (hard links: a validation's files and last.ckpt) share its time: last.ckpt first of
+    # them, the name whose resume continues its run
+    return sorted(files, key=lambda p: (p.stat().st_mtime, p.name.startswith("last")), reverse=True)
 
 
 # Where a run's checkpoints are: ModelCheckpoint's folder, and the run folder itself for Lightning's SLURM

@@ -296,6 +296,20 @@ def test_last_ckpt_at_the_end_of_fit_is_the_last_validations_file_unless_trainin
     assert torch.equal(load(last)["state_dict"]["net.w"], averaged["net.w"])
 
 
+def test_last_takes_last_ckpt_of_the_names_of_one_file(tmp_path):
+    """The end of fit leaves last.ckpt and the last validation's files one file, one time: ``--ckpt_path last``
+    takes last.ckpt, the name whose resume continues its run, not another name in the folder's order."""
+    import os
+
+    folder = tmp_path / RUN_NAME / "version_0" / "checkpoints"
+    folder.mkdir(parents=True)
+    torch.save(state(18, seed=0), folder / "best-epoch002-step18.ckpt")
+    others = [f"best-{i}.ckpt" for i in range(8)] + ["epoch003.ckpt"]  # the folder's order decided the tie before
+    for name in [*others, "last.ckpt"]:
+        os.link(folder / "best-epoch002-step18.ckpt", folder / name)
+    assert find_last_checkpoint(tmp_path / RUN_NAME) == (folder / "last.ckpt", 18)
+
+
 class InPlaceWriter(TorchCheckpointIO):
     """A user's own writer that rewrites a file in place (as ``shutil.move`` from a temporary folder on another
     filesystem does): the bytes of every name linked to it change with it."""
