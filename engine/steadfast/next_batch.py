@@ -34,7 +34,7 @@ from steadfast.loaders import ResumableDataLoader, ResumableSampler
 from steadfast.own_orders import OwnOrder
 from steadfast.own_positions import OwnPosition
 from steadfast.sample_seeds import seed_per_sample
-from steadfast.stream_resume import StreamLoader
+from steadfast.stream_resume import Position
 from steadfast.user_loaders import own_order, saves_its_state
 
 # A record is one int64 tensor: these fields, then the n sample indices, then the n sample hashes.
@@ -94,11 +94,10 @@ def verdict(trainer: L.Trainer, saved: list[Any] | None, resumed_from_lightning:
         return "unverified", f"not verified: {len(loaders)} train loader(s), the checkpoint's run had {len(saved)}"
     said = []
     for i, (loader, then) in enumerate(zip(loaders, saved, strict=True)):
-        checked = _fast_forward_checked(loader)
         own = _own_position_checked(trainer, loader)
         if own is not None and own[0] != "verified":
             return own
-        checked = own[1] if own is not None else checked
+        checked = own[1] if own is not None else None
         if checked is not None:
             said.append(checked)
             continue
@@ -182,28 +181,24 @@ def _train_loaders(trainer: L.Trainer) -> list[Any]:
     return CombinedLoader(loaders).flattened if loaders is not None else []
 
 
-def _fast_forward_checked(loader: Any) -> str | None:
-    """What verified a stream the engine fast-forwarded (``steadfast.stream_resume``): the last batch it read again
-    had the checkpoint's fingerprint (one that differs stops the run before the first step); ``None``: not such a
-    stream, or no fast-forward this time."""
-    position = loader.position if isinstance(loader, StreamLoader) else None
-    if position is None or position.stateful or position.resumed is None or position.problem is not None:
-        return None
-    samples = sum(position.resumed["samples"])
-    return (f"resume verified ({position.name}: read again past the {samples} samples trained on, the stream gave "
-            "the batch the checkpoint recorded last)")  # fmt: skip
-
-
 def _own_position_checked(trainer: L.Trainer, loader: Any) -> tuple[str, str] | None:
-    """The verdict on a loader that keeps its own position (``steadfast.own_positions``) or order
-    (``steadfast.own_orders``), resumed at each rank's: its first batch on every rank against the batch the
-    checkpoint's run had fetched next; ``None``: not such a loader, or not resumed at a position. Call it on every
-    rank (it gathers)."""
+    """The verdict on a stream (``steadfast.stream_resume``) or a loader that keeps its own position
+    (``steadfast.own_positions``) or order (``steadfast.own_orders``), resumed at each rank's: its first batch on
+    every rank against the batch the checkpoint's run had fetched next (a stream fast-forwarded: also the last batch
+    it read again, checked as it was read); ``None``: not such a loader, or not resumed at a position. Call it on
+    every rank (it gathers)."""
     position = getattr(loader, "position", None)
-    if not isinstance(position, OwnPosition | OwnOrder) or position.resumed is None:
+    if isinstance(position, Position):
+        if position.resumed is None or position.problem is not None:
+            return None
+        expected = position.resumed.get("ahead")  # absent from a checkpoint of engine 1.4.0 or earlier
+    elif isinstance(position, OwnPosition | OwnOrder) and position.resumed is not None:
+        expected = position.resumed["next"]
+    else:
         return None
-    expected = position.resumed["next"]
     code = 2 if expected is None else 0 if position.first == expected else 1  # verified, differs, nothing to compare
+    if code == 2 and isinstance(position, Position) and not position.stateful:
+        code = 0  # the fast-forward's own check verified it
     codes = [code]
     if trainer.world_size > 1:
         mine = torch.tensor(code, device=trainer.strategy.root_device)

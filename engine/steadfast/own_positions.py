@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from steadfast.compat import batches_fetched_ahead
 from steadfast.compat_torch import unstarted_copy
-from steadfast.stream_resume import StreamResume, fingerprint
+from steadfast.stream_resume import StreamResume, fingerprint, loading_its_state
 
 KEEP = 4  # the states of the last few batches yielded: Lightning's fetcher holds at most one ahead
 
@@ -115,6 +115,8 @@ class KeepsOwnPosition(DataLoader):
             position.resumed = restore
             super().load_state_dict(copy.deepcopy(restore["state"]))  # type: ignore[misc]
         batches = super().__iter__()  # type: ignore[misc]
+        if restore is not None:
+            batches = loading_its_state(batches, position.name, position.workers)
         position.recent.clear()
         position.recent.append((copy.deepcopy(super().state_dict()), None))  # type: ignore[misc]  # its start
         for batch in batches:

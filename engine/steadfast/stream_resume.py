@@ -5,12 +5,18 @@ uninterrupted run trained there.
 - A dataset with ``state_dict``/``load_state_dict`` (its own position): with workers, each worker's copy holds the
   position (the main process's copy never moves), so each copy is read in its worker after each batch it makes. The
   checkpoint keeps, per rank and worker, the state after the last batch trained on (Lightning's fetcher runs a
-  batch ahead of training), and a resume loads it into that worker's copy before the worker starts. Exact.
+  batch ahead of training), and a resume loads it into that worker's copy before the worker starts. Exact where
+  the state brings back what the stream gave: a state that leaves something out (a Hugging Face shuffle buffer)
+  gives another first batch, which stops the run (below).
 - A dataset without state whose order is the same for the same seed and epoch (sharded by worker and rank):
   fast-forwarded by count (``run.stream_resume: fast_forward``, the default). Each worker reads again the batches
   of its own that were trained on and drops them uncollated; the last one it drops is collated and compared with
   the fingerprint the checkpoint kept of it, and a stream that gives other samples stops the run in one line before
   the first step. ``restart``: the epoch's data starts again, as the start line says.
+
+Either way a save also keeps a fingerprint of the batch handed out next (the one Lightning's fetcher took ahead of
+training), and a resume compares its first batch with it: another batch stops the run in one line before training
+on it, unless ``run.stream_resume`` is ``as_saved`` (``next_batch``'s verdict then says ``no``).
 
 How: the loader's ``collate_fn`` is wrapped so that each batch comes with the worker that made it, its number of
 samples, a fingerprint and the dataset's state; the loader hands on the batch alone. A ``DataLoader`` takes batches
@@ -38,7 +44,7 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from steadfast.compat_torch import tree_leaves, unstarted_copy
 
-MODES = ("fast_forward", "restart", "as_saved")  # as_saved: as fast_forward, and see own_positions
+MODES = ("fast_forward", "restart", "as_saved")  # as_saved: another first batch continues (not exact)
 
 
 def has_state(dataset: Any) -> bool:
@@ -105,26 +111,51 @@ def _load_state_in_worker(states: list[Any], user_init: Callable[[int], Any] | N
         info.dataset.load_state_dict(states[info.id])
 
 
+def loading_its_state(batches: Iterator[Any], name: str, workers: int) -> Iterator[Any]:
+    """``batches`` of a loader resumed at its own state: an error at its first batches (each worker's first: a
+    stream may load the state as it starts, in its worker, as Hugging Face's does) stops the run in one line."""
+    for _ in range(max(workers, 1) + 1):
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as error:  # a worker's error comes back as its type, its traceback in the message
+            lines = [x.strip() for x in str(error).splitlines() if x.strip()] or [type(error).__name__]
+            said = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+            raise ValueError(
+                f"{name}: it failed at its first batches after loading the state the checkpoint kept of it ({said}). "
+                "Nothing was trained: this checkpoint cannot resume it mid-epoch (one saved at an epoch's end can)"
+            ) from error
+        yield batch
+    yield from batches
+
+
 def _fresh(epoch: int, workers: int) -> dict[str, Any]:
     """The position at an epoch's start: per worker, the batches and samples trained on, the fingerprint of its
-    last one, its dataset's state after it; ``next``: the worker whose batch the loop takes next."""
+    last one, its dataset's state after it; ``next``: the worker whose batch the loop takes next; ``ahead``: the
+    fingerprint of the batch handed out next (``None``: none handed out yet)."""
     n = max(workers, 1)
     return {"epoch": epoch, "batches": [0] * n, "samples": [0] * n, "fingerprints": [None] * n,
-            "states": [None] * n, "next": 0}  # fmt: skip
+            "states": [None] * n, "next": 0, "ahead": None}  # fmt: skip
 
 
 class Position:
     """One train stream's position on this rank: what its loader handed out, and what training took of it."""
 
-    can_restart = True  # run.stream_resume restart is a way out of a refusal
+    checked = "its first batch"  # what a resume compares (``next_batch``'s verdict)
 
-    def __init__(self, name: str, workers: int, stateful: bool, ordered: bool, epoch_of: Callable[[], int]) -> None:
+    def __init__(
+        self, name: str, workers: int, stateful: bool, ordered: bool, epoch_of: Callable[[], int], strict: bool = True
+    ) -> None:
         self.name, self.workers, self.stateful, self.ordered, self.epoch_of = name, workers, stateful, ordered, epoch_of
+        self.strict = strict  # another first batch than the checkpoint's next stops the run (unless as_saved)
+        self.can_restart = not stateful  # run.stream_resume restart is a way out of a refusal (it keeps a state)
         self.taken = _fresh(epoch_of(), workers)  # what training took of the current epoch
         self.handed: deque[Made] = deque()  # handed out to Lightning, not yet taken (its fetcher runs ahead)
         self.restore: dict[str, Any] | None = None  # the checkpoint's position, for the epoch it was taken in
         self.resumed: dict[str, Any] | None = None  # the position this run resumed at
-        self.problem: str | None = None  # a fast-forward that gave other samples than the checkpoint recorded
+        self.first: int | None = None  # the fingerprint of the first batch handed out after the resume
+        self.problem: str | None = None  # StreamResume stops the run on it, before the first step
 
     def unsaved(self) -> str:
         return f"{self.name}: the checkpoint holds no position of it: a mid-epoch resume restarts that epoch's data"
@@ -139,6 +170,7 @@ class Position:
             taken["samples"][w] += made.samples
             taken["fingerprints"][w], taken["states"][w] = made.fingerprint, made.state
             taken["next"] = (w + 1) % len(taken["batches"])
+        taken["ahead"] = self.handed[0].fingerprint if self.handed else None  # what Lightning fetched ahead
 
     def start_epoch(self) -> dict[str, Any] | None:
         """A new iterator: the position it resumes at (``None``: the epoch's start)."""
@@ -150,11 +182,13 @@ class Position:
             raise ValueError(
                 f"{self.name}: the checkpoint was taken with {len(restore['batches'])} loader worker(s) reading its "
                 f"stream, this run has num_workers={self.workers}: each worker reads its own shard, so resume with "
-                f"the same num_workers, or with --run.stream_resume restart"
+                f"the same num_workers" + (", or with --run.stream_resume restart" if self.can_restart else "")
             )
         self.taken = copy.deepcopy(restore) if restore is not None else _fresh(epoch, self.workers)
         self.handed.clear()
         self.resumed = restore
+        if restore is not None:
+            self.first = None
         return restore
 
     def hand_out(self, made: Iterator[Made], restore: dict[str, Any] | None) -> Iterator[Any]:
@@ -164,8 +198,7 @@ class Position:
         if not self.ordered or n == 1:
             for item in made:
                 if self._kept(item, skips, restore):
-                    self.handed.append(item)
-                    yield item.batch
+                    yield self._handed(item, restore)
             self._check_skipped(skips)
             return
         queues: list[deque[Made]] = [deque() for _ in range(n)]
@@ -184,10 +217,39 @@ class Position:
                     queues[item.worker].append(item)
             if queues[w]:
                 # recorded as handed out in the order training gets it, which is not the order of arrival
-                self.handed.append(queues[w].popleft())
-                yield self.handed[-1].batch
+                yield self._handed(queues[w].popleft(), restore)
             w = (w + 1) % n
         self._check_skipped(skips)
+
+    def _handed(self, item: Made, restore: dict[str, Any] | None) -> Any:
+        """``item``'s batch, recorded as handed out; the first after a resume compared with the checkpoint's next."""
+        self.handed.append(item)
+        if restore is not None and self.first is None:
+            self.first = item.fingerprint
+            expected = restore.get("ahead")  # absent from a checkpoint of engine 1.4.0 or earlier
+            if self.strict and expected is not None and self.first != expected and self.problem is None:
+                gave = (
+                    "its state_dict does not bring back what it gave (a shuffle buffer, random draws in its workers)"
+                    if self.stateful
+                    else "random draws in its workers start again from other seeds"
+                )
+                self.problem = (
+                    f"{self.name}: its first batch after the resume differs from the batch the checkpoint's run had "
+                    f"fetched next: {gave}. Nothing was trained. Resume with --run.stream_resume as_saved to "
+                    "continue anyway (not exactly: the start line says so)"
+                )  # fmt: skip
+        return item.batch
+
+    def verified(self, ranks: str) -> str:
+        if not self.stateful:
+            return (f"{self.name}: read again past the {sum(self.resumed['samples'])} samples trained on, the "
+                    "stream gave the batch the checkpoint recorded last")  # fmt: skip
+        return (f"{self.name}: its first batch{ranks} is the one the checkpoint's run had fetched next, resumed at "
+                "its own state as of the batches trained on")  # fmt: skip
+
+    def differs(self, rank: str) -> str:
+        return (f"{self.name}: its first batch after the resume{rank} differs from the batch the checkpoint's run had "
+                "fetched next (random draws in its workers, or a position its state_dict does not keep)")  # fmt: skip
 
     def _kept(self, item: Made, skips: list[int], restore: dict[str, Any] | None) -> bool:
         """Whether ``item`` goes to training (a fast-forward drops the batches trained on)."""
@@ -239,6 +301,8 @@ class StreamLoader(DataLoader):
             self.worker_init_fn = user_init
             if self.num_workers:
                 tagging.skip = {}
+        if restore is not None and position.stateful:
+            made = loading_its_state(made, position.name, self.num_workers)
         yield from position.hand_out(made, restore)
 
 
@@ -247,7 +311,8 @@ class StreamResume(Callback):
     checkpoint, and resumes each rank's loaders there.
 
     Args:
-        mode: ``run.stream_resume``: ``fast_forward`` or ``restart``, for a dataset without state.
+        mode: ``run.stream_resume``: ``fast_forward`` or ``restart``, for a dataset without state; ``as_saved``:
+            as ``fast_forward``, and a first batch after a resume other than the checkpoint's next continues.
     """
 
     def __init__(self, mode: str = "fast_forward") -> None:
@@ -271,7 +336,8 @@ class StreamResume(Callback):
         if not stateful and self.mode == "restart":
             return loader, "run.stream_resume is restart: a mid-epoch resume restarts that epoch's data"
         ordered = getattr(loader, "in_order", True)  # in_order=False: batches as the workers finish them
-        position = Position(name, loader.num_workers, stateful, ordered, lambda: trainer.current_epoch)
+        position = Position(name, loader.num_workers, stateful, ordered, lambda: trainer.current_epoch,
+                            strict=self.mode != "as_saved")  # fmt: skip
         self.attach(position, trainer)
         rebuilt = unstarted_copy(loader)  # the user's loader is left as it is
         rebuilt.__class__ = _stream_class(type(loader))

@@ -3,6 +3,7 @@ stopped: killed with SIGKILL and resumed with ``fit --ckpt_path last``, each ste
 uninterrupted run trained on there (none twice, none skipped) and the final weights are equal; a stream with its
 own ``state_dict`` resumes at it, one without is fast-forwarded by count, per loader worker and rank."""
 
+import copy
 import json
 import random
 from collections import Counter
@@ -72,6 +73,28 @@ def killed_and_resumed(tmp_path: Path, kill: int, saved: int, *flags: str, refer
     return twice, skipped, differ, diff, line, reference
 
 
+def killed_twice(tmp_path: Path, *flags: str) -> tuple[int, int, int, float, str]:
+    """An uninterrupted fit and one killed at step 30 (saved at step 27, epoch 1), resumed, killed again at step 40
+    (saved at step 36 by the resumed run, in the epoch it resumed in) and resumed: (seen twice, skipped, steps that
+    differ, max |delta| of the final weights and optimizer, the last resume's start line)."""
+    args = [*config(tmp_path), *flags]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir(), resumed.mkdir()
+    cli("fit", *args, *record(reference), cwd=reference)
+    assert cli("fit", *args, *record(resumed), *kill_at(30, settle=True), cwd=resumed, check=False).returncode != 0
+    assert last(resumed)["global_step"] == 27
+    again = cli("fit", *args, *record(resumed), "--ckpt_path", "last", *kill_at(40, settle=True), cwd=resumed,
+                check=False)  # fmt: skip
+    assert again.returncode != 0 and last(resumed)["global_step"] == 36, again.stderr[-2000:]
+    assert last(resumed)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] > 0  # mid-epoch
+    proc = cli("fit", *args, *record(resumed), "--ckpt_path", "last", cwd=resumed)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
+    twice, skipped, differ, diff = compared(reference, resumed)
+    print(f"{flags} killed twice: seen twice {twice}, skipped {skipped}, steps that differ {differ}, max |delta| "
+          f"{diff}\n{line}")  # fmt: skip
+    return twice, skipped, differ, diff, line
+
+
 def compared(reference: Path, resumed: Path) -> tuple[int, int, int, float]:
     """(seen twice, skipped, steps that differ, max |delta| of the final weights and optimizer) of the run in
     ``resumed`` against the uninterrupted one in ``reference``."""
@@ -139,13 +162,56 @@ def test_a_stream_in_two_loader_workers_killed_twice_resumes_exactly_both_times(
 
 @pytest.mark.slow
 @pytest.mark.long
-@pytest.mark.parametrize("state", ["false", "true"])
-def test_a_killed_two_rank_fit_of_a_stream_resumes_each_rank_at_its_own_position(state, tmp_path):
+@pytest.mark.parametrize(
+    "flags",
+    [["--data.loader", "stateful", "--data.source", "tokens", "--data.state", "true"],
+     ["--data.loader", "stateful", "--data.source", "hf"],
+     ["--data.loader", "stateful", "--data.source", "map"],
+     ["--data.source", "map", "--data.sampler", "counting"],
+     ["--data.source", "litdata"]],
+    ids=["stateful-stream", "stateful-hf", "stateful-map", "own-sampler", "litdata"],
+)  # fmt: skip
+def test_a_loader_killed_twice_resumes_exactly_both_times(flags, tmp_path):
+    """The resumed run's own checkpoint (killed again in the epoch it resumed in) for each loader kind in 2 workers:
+    a loader that keeps its own position, a map-style ``StatefulDataLoader`` (the engine's sampler), the user's own
+    sampler drawn again."""
+    *seen, line = killed_twice(tmp_path, "--trainer.max_epochs", "2", "--data.num_workers", "2", *flags)
+    assert seen == [0, 0, 0, 0.0], seen
+    assert "exact resume: resume verified" in line or "litdata" in flags, line
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize(("source", "state"), [("tokens", "false"), ("tokens", "true"), ("hf", "true")])
+def test_a_killed_two_rank_fit_of_a_stream_resumes_each_rank_at_its_own_position(source, state, tmp_path):
+    """A stream in a plain ``DataLoader`` on 2 ranks, without state (fast-forwarded), with its own, or a Hugging Face
+    stream split by node (2 of its 4 shards a rank, one a worker); a resume on 1 rank stops in one line before
+    anything trains."""
     # 194 samples: 97 a rank, 49 and 48 in its two workers; each rank resumes at its own shard's position
-    flags = ["--trainer.max_epochs", "2", "--data.n_train", "194", "--data.num_workers", "2", "--data.state", state]
+    flags = ["--trainer.max_epochs", "2", "--data.n_train", "194", "--data.num_workers", "2", "--data.state", state,
+             "--data.source", source]  # fmt: skip
     *seen, line, _ = killed_and_resumed(tmp_path, 40, 36, *flags, *DDP2)
     assert seen == [0, 0, 0, 0.0], seen
     assert "the 88 samples of epoch 1 over 2 ranks trained on" in line, line  # 44 on each rank
+    name = "Tokens" if state == "false" else "PositionedTokens" if source == "tokens" else "IterableDataset"
+    if state == "true":
+        assert f"exact resume: resume verified (train loader 0 ({name}): its first batch on 2 ranks is the one" in line
+    refused_on_one_rank(tmp_path, flags, name, restart=state == "false")  # restart keeps a stream's state
+
+
+def refused_on_one_rank(tmp_path: Path, flags: list[str], name: str, restart: bool) -> None:
+    """A resume on 1 rank of the 2-rank run in ``tmp_path/resumed-*`` stops in one line, nothing trained or saved."""
+    resumed = next(tmp_path.glob("resumed-*"))
+    step = last(resumed)["global_step"]
+    proc = cli("fit", *config(tmp_path), *flags, "--trainer.max_epochs", "3", "--ckpt_path", "last", cwd=resumed,
+               check=False)  # fmt: skip
+    refusal = (f"error: train loader 0 ({name}): the checkpoint holds the loader positions of 2 rank(s), this run has "
+               "1: each rank reads its own share of the data from its own position, so resume on 2 rank(s)"
+               + (", or with --run.stream_resume restart" if restart else ""))  # fmt: skip
+    (error,) = [x for x in proc.stderr.splitlines() if "the checkpoint holds the loader positions" in x]
+    assert error.startswith(refusal), proc.stderr[-3000:]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last(resumed)["global_step"] == step  # nothing trained, nothing saved
 
 
 def test_a_stream_whose_order_is_not_the_same_after_a_resume_stops_before_the_first_step(tmp_path, capsys):
@@ -207,6 +273,29 @@ def test_a_resumed_loader_hands_out_its_workers_batches_in_the_uninterrupted_ord
             assert position.taken["batches"][w] == m + 1 and position.taken["next"] == (w + 1) % workers, trial
         assert got == turns[cut:], (trial, sizes, cut, stateful)
         assert position.problem is None
+
+
+@pytest.mark.parametrize("stateful", [True, False])
+def test_a_resumed_stream_whose_first_batch_is_not_the_one_fetched_next_stops_unless_the_user_accepts(stateful):
+    """A save keeps the fingerprint of the batch handed out next (Lightning's fetcher took it ahead); a resume whose
+    first batch differs (a state that leaves out a shuffle buffer) is a problem, unless ``as_saved``."""
+    position = Position("s", 0, stateful, True, lambda: 0)
+    position.start_epoch()
+    handed = position.hand_out(iter([Made(k, 0, 4, 100 + k, {"at": k}) for k in range(5)]), None)
+    assert [next(handed), next(handed)] == [0, 1]  # batch 1 fetched ahead while batch 0 trains
+    position.take(1)
+    saved = copy.deepcopy(position.taken)
+    assert saved["ahead"] == 101 and saved["batches"] == [1]
+    for strict, first, problem in [(True, 101, False), (True, 999, True), (False, 999, False)]:
+        resumed = Position("s", 0, stateful, True, lambda: 0, strict=strict)
+        resumed.restore = copy.deepcopy(saved)
+        restore = resumed.start_epoch()
+        skipped = [Made(None, 0, 4, 100, None)] if not stateful else []  # a fast-forward drops batch 0
+        batches = resumed.hand_out(iter([*skipped, Made("b", 0, 4, first, None)]), restore)
+        assert next(batches) == "b" and resumed.first == first
+        assert (resumed.problem is not None) == problem, (strict, first)
+        if problem:
+            assert resumed.problem.startswith("s: its first batch after the resume differs from the batch the ")
 
 
 @pytest.mark.slow
@@ -303,28 +392,60 @@ def test_a_killed_fit_of_a_hugging_face_stream_in_a_plain_dataloader_resumes_at_
     assert "streams: train loader 0 (IterableDataset): resumed at its" in line, line
 
 
+SHUFFLED_HF = [
+    pytest.param("stateful", "0", 1, id="stateful-0-1rank"),
+    pytest.param("plain", "0", 1, id="plain-0-1rank"),
+    pytest.param("plain", "2", 1, id="plain-2-1rank"),
+    pytest.param("plain", "0", 2, id="plain-0-2ranks"),
+    pytest.param("stateful", "2", 2, id="stateful-2-2ranks"),
+    pytest.param("plain", "2", 2, id="plain-2-2ranks"),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.long
-def test_a_shuffled_hugging_face_stream_whose_state_leaves_out_its_buffer_stops_until_the_user_accepts(tmp_path):
+@pytest.mark.parametrize(("loader", "workers", "ranks"), SHUFFLED_HF)
+def test_a_shuffled_hugging_face_stream_whose_state_leaves_out_its_buffer_stops_until_the_user_accepts(
+    loader, workers, ranks, tmp_path
+):
     """``.shuffle(seed, buffer_size)``: Hugging Face's ``state_dict`` keeps the shards' position, not the samples in
-    the shuffle buffer (its docs say so), so the resumed stream gives other samples. The resume stops in one line at
-    its first batch, before training on it (the fingerprint of the batch the checkpoint's run fetched next differs);
-    ``--run.stream_resume as_saved`` continues from the stream's own state, and its start line says ``no``."""
-    flags = ["--trainer.max_epochs", "2", "--data.loader", "stateful", "--data.source", "hf_shuffled"]
-    resumed = tmp_path / "resumed"
+    the shuffle buffer (its docs say so), so the resumed stream gives other samples (in a plain ``DataLoader`` the
+    engine 1.4.0 went on with them: 4 samples skipped, max |delta| 1.0, the start line said ``not verified``). The
+    resume stops in one line at its first batch, before training on it (the fingerprint of the batch the
+    checkpoint's run fetched next differs), on each rank; ``--run.stream_resume as_saved`` continues from the
+    stream's own state, and its start line says ``no``; on another number of ranks it is refused in one line. In
+    loader workers the state does not even load back (``datasets`` 5.2: an ``IndexError`` in the worker, a
+    traceback under engine 1.4.0): the resume stops in one line, ``as_saved`` too."""
+    n = ["--data.n_train", "194"] if ranks == 2 else []
+    flags = ["--trainer.max_epochs", "2", "--data.loader", loader, "--data.source", "hf_shuffled",
+             "--data.num_workers", workers, *n]  # fmt: skip
+    name = "StatefulDataLoader" if loader == "stateful" else "IterableDataset"
+    resumed = tmp_path / "resumed-shuffled"
     resumed.mkdir()
-    args = [*config(tmp_path), *flags, *record(resumed)]
+    args = [*config(tmp_path), *flags, *(DDP2 if ranks == 2 else []), *record(resumed)]
     assert cli("fit", *args, *kill_at(30, settle=True), cwd=resumed, check=False).returncode != 0
     assert last(resumed)["global_step"] == 27
-    proc = cli("fit", *args, "--ckpt_path", "last", cwd=resumed, check=False)
-    assert proc.returncode != 0
-    assert ("error: train loader 0 (StatefulDataLoader): its first batch after the resume differs from the batch the "
-            "checkpoint's run had fetched next") in proc.stderr, proc.stderr[-3000:]  # fmt: skip
-    assert "Traceback" not in proc.stderr and last(resumed)["global_step"] == 27  # nothing trained, nothing saved
-    proc = cli("fit", *args, "--ckpt_path", "last", "--run.stream_resume", "as_saved", cwd=resumed)
+    differs = "its first batch after the resume differs from the batch the checkpoint's run had fetched next"
+    unloaded = "it failed at its first batches after loading the state the checkpoint kept of it (Caught IndexError"
+
+    def stopped(proc) -> None:
+        errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+        stop = f"error: train loader 0 ({name}): " + (differs if workers == "0" else unloaded)
+        other = "error: another rank's train loader gave other samples after the resume"
+        assert errors and all(x.startswith((stop, other)) for x in errors), proc.stderr[-3000:]
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert last(resumed)["global_step"] == 27  # nothing trained, nothing saved
+
+    stopped(cli("fit", *args, "--ckpt_path", "last", cwd=resumed, check=False))
+    if ranks == 2:
+        refused_on_one_rank(tmp_path, flags, name, restart=False)
+    proc = cli("fit", *args, "--ckpt_path", "last", "--run.stream_resume", "as_saved", cwd=resumed, check=False)
+    if workers != "0":  # its state does not load back in a worker: nothing to continue from
+        stopped(proc)
+        return
     line = next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
-    assert "exact resume: no: train loader 0 (StatefulDataLoader): its first batch after the resume differs" in line
-    assert last(resumed)["global_step"] > 27
+    assert f"exact resume: no: train loader 0 ({name}): its first batch after the resume" in line, line
+    assert proc.returncode == 0 and last(resumed)["global_step"] > 27
 
 
 @pytest.mark.slow
