@@ -535,6 +535,48 @@ def test_a_sampler_whose_order_cannot_be_drawn_again_stops_the_resume_until_the_
     assert last(resumed)["global_step"] == 50
 
 
+ONE = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto"]
+
+
+def trained_on(cwd: Path, saved: int) -> Counter:
+    """The sample ids the runs in ``cwd`` trained on, each as often as it was: the killed run's steps from ``saved``
+    on are left out (the resumed run, which appends after it in rank 0's file, trained them again)."""
+    counts: Counter = Counter()
+    for path in cwd.glob("ids.rank*.jsonl"):
+        resumed, previous = False, -1
+        for line in path.read_text().splitlines():
+            _, step, ids = json.loads(line)
+            resumed = resumed or step < previous  # rank 0's file: the resumed run starts again at `saved`
+            previous = step
+            if resumed or step < saved:
+                counts.update(ids)
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_a_two_rank_fit_of_a_map_style_stateful_dataloader_killed_mid_epoch_resumes_on_one_rank_in_its_order(
+    tmp_path,
+):
+    flags = ["--trainer.max_epochs", "2", "--data.n_train", "194", "--data.loader", "stateful", "--data.source", "map",
+             "--data.num_workers", "2"]  # fmt: skip
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir(), resumed.mkdir()
+    args = [*config(tmp_path), *flags]
+    cli("fit", *args, *DDP2, *record(reference), cwd=reference)
+    proc = cli("fit", *args, *DDP2, *record(resumed), *kill_at(30, settle=True), cwd=resumed, check=False)
+    assert proc.returncode != 0 and last(resumed)["global_step"] == 27, proc.stderr[-2000:]  # epoch 1, batch 2
+    proc = cli("fit", *args, *ONE, *record(resumed), "--ckpt_path", "last", cwd=resumed)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
+    expected, got = trained_on(reference, 10**9), trained_on(resumed, 27)
+    twice, skipped = sum((got - expected).values()), sum((expected - got).values())
+    print(f"2 -> 1 rank(s): seen twice {twice}, skipped {skipped}\n{line}")
+    assert (twice, skipped) == (0, 0) and sum(got.values()) == 2 * 200  # 2 epochs of 194, padded to 8 a step
+    assert "elastic: 2 -> 1 rank(s): accumulate_grad_batches 1 -> 2 keeps the global batch of 8 samples" in line, line
+    assert "exact resume: resume verified (epoch 1, batch 4: its 4 samples, the first of the checkpoint's 8" in line
+    assert last(resumed)["global_step"] == last(reference)["global_step"] == 50
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_loader_with_its_own_sampler_resumed_mid_epoch_gives_the_rest_of_the_uninterrupted_order(persistent):
     """``own_orders`` alone, in this process: a loader with a user's shuffle (torch's global generator) and two
