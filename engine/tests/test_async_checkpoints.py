@@ -355,29 +355,6 @@ def test_sigkill_during_the_end_of_fits_one_write_leaves_whole_files_and_resumes
     assert_same_weights(tmp_path / "runs", reference)
 
 
-def test_a_file_goes_to_disk_as_it_is_written_and_the_fsync_waits_for_its_tail_only(tmp_path, monkeypatch):
-    import os
-
-    from steadfast import checkpoint_io
-
-    sent, fadvise = [], os.posix_fadvise
-    monkeypatch.setattr(checkpoint_io._WrittenBackAsItGoes, "EVERY", 2**20)
-    monkeypatch.setattr(
-        os, "posix_fadvise", lambda fd, start, n, advice: (sent.append((start, n)), fadvise(fd, start, n, advice))
-    )
-    point = {**state(20, seed=0), "big": torch.arange(5 * 2**18, dtype=torch.float32)}  # 5 MiB
-    io = AtomicCheckpointIO(background=False)
-    io.save_checkpoint(point, tmp_path / "a.ckpt")
-    size = (tmp_path / "a.ckpt").stat().st_size
-    # each MiB asked to be written back once written, in order, none twice; the tail is left to the fsync
-    assert [start for start, _ in sent] == [sum(n for _, n in sent[:i]) for i in range(len(sent))]
-    assert len(sent) >= 4 and all(n >= 2**20 for _, n in sent) and size - 2**20 <= sum(n for _, n in sent) <= size
-    loaded = torch.load(tmp_path / "a.ckpt", weights_only=True)
-    assert torch.equal(loaded["big"], point["big"]) and torch.equal(
-        loaded["state_dict"]["net.w"], point["state_dict"]["net.w"]
-    )
-
-
 def test_where_hard_links_fail_each_name_of_a_point_is_written_in_full(tmp_path, monkeypatch):
     import errno
     import os
