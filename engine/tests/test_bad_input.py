@@ -370,14 +370,15 @@ def test_unusable_save_dir_is_named_before_anything_runs(trained, parse, tmp_pat
 def test_disk_full_while_saving_keeps_the_previous_checkpoints_and_resume_works(earlier):
     last = earlier / "runs" / RUN_NAME / "version_0/checkpoints/last.ckpt"
     before = snapshot(earlier)
-    # Resume the finished run for a second epoch; its 2nd write (last.ckpt at the end of fit, after the one file of
-    # best-epoch001 and epoch001) hits a full disk.
-    fault = ["--trainer.plugins", "tests.faults.DiskFullOnSave", "--trainer.plugins.save", "2"]
+    # Resume the finished run for a second epoch; its one write (best-epoch001, epoch001 and the end of fit's
+    # last.ckpt: one file under their names) hits a full disk.
+    fault = ["--trainer.plugins", "tests.faults.DiskFullOnSave", "--trainer.plugins.save", "1"]
     common = [*TINY, *SMALL, "--trainer.max_epochs", "2"]
     proc = cli("fit", *common, *fault, "--ckpt_path", "last", cwd=earlier, check=False)
     folder = f"runs/{RUN_NAME}/version_0/checkpoints"
-    assert_one_clear_error(proc.returncode, proc.stderr, f"could not save the checkpoint last.ckpt in {folder}",
-                           "No space left on device", "Free space", "--ckpt_path last", exit_code=1)  # fmt: skip
+    named = f"could not save the checkpoint best-epoch001-step6.ckpt in {folder}"
+    assert_one_clear_error(proc.returncode, proc.stderr, named, "No space left on device", "Free space",
+                           "--ckpt_path last", exit_code=1)  # fmt: skip
     assert not list(earlier.rglob("*.tmp"))
     assert hashlib.sha256(last.read_bytes()).hexdigest() == before[str(last.relative_to(earlier))]
     assert torch.load(last, weights_only=True)["global_step"] == 3
