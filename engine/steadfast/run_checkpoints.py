@@ -5,6 +5,7 @@ a checkpoint's global step read without unpickling code or reading its tensors.
 import os
 from pathlib import Path
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
 from steadfast.checkpoint_files import CheckpointLoadError, load_checkpoint_file
@@ -51,7 +52,8 @@ def checkpoints_newest_first(folder: Path, *patterns: str) -> list[Path]:
     files = [p for pattern in patterns for p in folder.glob(pattern) if p.is_file() or is_sharded_checkpoint(p)]
     # the names of one file (hard links: a validation's files and last.ckpt) share its time: last.ckpt first of
     # them, the name whose resume continues its run
-    return sorted(files, key=lambda p: (p.stat().st_mtime, p.name.startswith("last")), reverse=True)
+    last = ModelCheckpoint.CHECKPOINT_NAME_LAST
+    return sorted(files, key=lambda p: (p.stat().st_mtime, p.name.startswith(last)), reverse=True)
 
 
 # Where a run's checkpoints are: ModelCheckpoint's folder, and the run folder itself for Lightning's SLURM
