@@ -44,7 +44,7 @@ from steadfast.sharded.folders import check_same_network
 from steadfast.sharded.strategy import ShardedStrategy as Sharded
 from steadfast.signals import Preemption
 from steadfast.speed.profiler import NoProfiler
-from steadfast.speed.switches import Speed, SpeedSwitch
+from steadfast.speed.switches import MatmulPrecision, Speed, SpeedSwitch
 from steadfast.stream_resume import StreamResume
 from steadfast.user_loaders import UserLoaders
 
@@ -158,6 +158,9 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         callbacks = [*checks, *from_run, *callbacks, *policy.callbacks(callbacks)]
         speed: Speed = cli_section(self, self.config_init, "speed")
         callbacks += speed.callbacks(callbacks)
+        for switch in callbacks:
+            if isinstance(switch, MatmulPrecision):  # before the Trainer's GPU set-up reads it
+                switch.set_for_the_run()
         if guarantees is not None:  # the switches on, the config's own (a copy made before 1.0.0 lists them) among them
             guarantees.switches = [c for c in callbacks if isinstance(c, SpeedSwitch)]
         plugins = config.get("plugins") or []

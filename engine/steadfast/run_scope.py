@@ -11,7 +11,8 @@
 - ``sync_dist=True`` epoch means weighed by every rank's samples (``compat_logging.weigh_synced_means_by_samples``),
   Lightning's own ``_ResultMetric.compute`` after;
 - the SIGINT, SIGTERM and SIGUSR1 handlers (``steadfast.signals``, Lightning's), the caller's again after.
-- ``PROJECT_RUN_DIR``, the run folder rank 0 claimed for the ranks it starts (``steadfast.runs``), as it was.
+- ``PROJECT_RUN_DIR``, the run folder rank 0 claimed for the ranks it starts (``steadfast.runs``), as it was;
+- torch's float32 matmul precision (``speed.matmul_precision``, set before the Trainer is built), as it was.
 
 ``KeepFreedHostMemory`` (``speed.keep_freed_host_memory``), a callback, undoes its malloc setting itself; the
 checkpoint writer's CRC-32 setting is per thread (``compat_torch.crc32_off_in_this_thread``).
@@ -23,6 +24,8 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
+
+import torch
 
 from steadfast.compat_logging import (
     read_bar_values_without_waiting,
@@ -46,6 +49,7 @@ def for_the_run() -> Iterator[None]:
     freeze = not _freezing and gc.get_freeze_count() == 0
     undo_moves = undo_bar = undo_means = lambda: None
     run_dir = os.environ.get(RUN_DIR_ENV)
+    matmul_precision = torch.get_float32_matmul_precision()  # speed.matmul_precision's, set for the run
     try:
         with quiet_console():
             if freeze:
@@ -60,6 +64,7 @@ def for_the_run() -> Iterator[None]:
             os.environ.pop(RUN_DIR_ENV, None)
         else:
             os.environ[RUN_DIR_ENV] = run_dir
+        torch.set_float32_matmul_precision(matmul_precision)
         undo_means()
         undo_bar()
         undo_moves()

@@ -1,5 +1,7 @@
 """The GPU speed switches (configs/gpu.yaml) on CPU: they run, and change nothing a checkpoint records."""
 
+import functools
+
 import lightning as L
 import pytest
 import torch
@@ -65,9 +67,10 @@ def test_gpu_config_trains_on_cpu_and_its_checkpoint_validates_in_a_plain_run(tm
     assert plain_acc == pytest.approx(logged["val/acc"][-1][1], abs=0.02)
 
 
-def test_speed_settings_hold_with_the_users_own_callbacks_list(tmp_path, capsys):
+def test_speed_settings_hold_with_the_users_own_callbacks_list(tmp_path, capsys, monkeypatch):
     """``speed:`` is a setting, not a callback a user's ``trainer.callbacks`` list replaces: with a list of their
-    own, the switches asked for are on (named in the start line), once each, and for the run only."""
+    own, the switches asked for are on (named in the start line), once each, and for the run only. The matmul
+    precision is set before the Trainer is built, whose GPU set-up would otherwise advise setting it."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tests.helpers import cli_in_process
@@ -76,8 +79,18 @@ def test_speed_settings_hold_with_the_users_own_callbacks_list(tmp_path, capsys)
     other = "medium" if before != "medium" else "high"
     own = ["--trainer.callbacks", '[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
            '"init_args": {"every_n_train_steps": 1}}]']  # fmt: skip
+    at_the_trainer = []  # the precision Lightning's GPU set-up reads (it advises setting it when "highest")
+    real_init = L.Trainer.__init__
+
+    @functools.wraps(real_init)  # the same signature for the CLI's parser
+    def init(self, *args, **kwargs):
+        at_the_trainer.append(torch.get_float32_matmul_precision())
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(L.Trainer, "__init__", init)
     cli = cli_in_process("fit", *own, "--speed.matmul_precision", other, "--trainer.max_steps", "2",
                          "--trainer.limit_val_batches", "1", *QUIET, root=tmp_path)  # fmt: skip
+    assert at_the_trainer == [other]
     kinds = [type(c).__name__ for c in cli.trainer.callbacks]
     assert kinds.count("MatmulPrecision") == 1 and kinds.count("KeepFreedHostMemory") == 1, kinds
     assert any(type(c) is ModelCheckpoint and c._every_n_train_steps == 1 for c in cli.trainer.callbacks)

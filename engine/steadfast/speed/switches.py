@@ -49,7 +49,15 @@ class MatmulPrecision(SpeedSwitch):
         return f"float32 matmuls at {self.precision!r} precision"
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._before = torch.get_float32_matmul_precision()
+        self.set_for_the_run()
+
+    def set_for_the_run(self) -> None:
+        """Sets the precision, keeping the one before for ``teardown``. The engine's CLI calls this before it builds
+        the Trainer: Lightning's GPU set-up, which comes before any callback's ``setup``, otherwise advises setting
+        it, a line the start line (``float32 matmuls at 'high' precision``) contradicts. ``steadfast.run_scope``
+        puts it back after a run that ended in an exception, where ``teardown`` does not run."""
+        if self._before is None:
+            self._before = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision(self.precision)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
