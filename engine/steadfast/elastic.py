@@ -62,8 +62,9 @@ class GlobalBatch:
 
         On a resume from a checkpoint of another shape it keeps the checkpoint's global batch: it sets
         ``trainer.accumulate_grad_batches`` to the value that does (here, where the loader is built: Lightning reads
-        the accumulation next, for the schedule's step count), or raises ``ValueError`` naming the per-device batch
-        and accumulation that would when no integer accumulation does.
+        the accumulation next, for the schedule's step count, with no hook in between; the fix proposed to Lightning
+        is in docs/upstream.md), or raises ``ValueError`` naming the per-device batch and accumulation that would
+        when no integer accumulation does.
         """
         now = Shape(data_parallel_world(trainer), batch_size, trainer.accumulate_grad_batches)
         saved = self.saved
