@@ -177,6 +177,19 @@ overlay() {  # overlay NAME ARGS...: the three nets at once; fails if any fails
 step overlay_gpu 100 overlay gpu --trainer.devices 1
 step overlay_gpu_ddp 100 overlay gpu_ddp "${DDP[@]}"
 step overlay_gpu_fsdp 100 overlay gpu_fsdp "${FSDP[@]}"
+# the start line of each CUDA run under deterministic: warn names what that gives up (docs/engine.md's table)
+warn_named() {
+  local name net log missing=0
+  for name in gpu gpu_ddp gpu_fsdp; do
+    for net in "${NETS[@]}"; do
+      log="$OUT/overlay_${name}_${net##*.}.log"
+      grep -q "opts out: .*deterministic: warn: ops with no deterministic CUDA kernel" "$log" ||
+        { echo "not named: $log"; missing=1; }
+    done
+  done
+  return $missing
+}
+((CPU)) || step start_line_names_deterministic_warn 10 warn_named
 
 # 5. the transformer, torch.compile on and off (on the CPU off only: compiling there takes minutes)
 #    lr 3e-4: at the example's 3e-3 the 100M-parameter transformer diverges by itself once warmup ends (a plain
