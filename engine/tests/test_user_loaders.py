@@ -204,6 +204,17 @@ def test_validate_under_ddp_names_a_sampler_it_cannot_replace(tmp_path):
 
 
 @pytest.mark.slow
+def test_validate_under_ddp_without_lightnings_sampler_names_that_each_rank_sees_every_sample(tmp_path):
+    logged, line = validated(tmp_path, 2, "--trainer.use_distributed_sampler", "false")
+    assert (
+        "opts out: val loader 0: use_distributed_sampler is off: each of the 2 ranks gets every sample, so "
+        "validation counts samples up to 2 times"
+    ) in line, line
+    # what the line warns of, counted: every sample on each rank, the sums over both ranks
+    assert logged["seen/count"] == 2 * N_VAL and logged["seen/index_sum"] == 2 * (N_VAL * 35 / 2 + 18.5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("checkpoint", "kill", "saved"), [(EVERY_4_STEPS, 18, 16), (EPOCH_END, 28, 24)])
 def test_a_killed_fit_of_plain_loaders_resumes_bitwise_equal(checkpoint, kill, saved, tmp_path):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
