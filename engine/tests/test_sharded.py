@@ -39,8 +39,17 @@ def mid_epoch(folder) -> bool:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("uninterrupted")
-    cli("fit", *FSDP, *TWO, *full_weights(str(cwd / "full.pt")), cwd=cwd)
+    proc = cli("fit", *FSDP, *TWO, *full_weights(str(cwd / "full.pt")), cwd=cwd)
+    (cwd / "stdout.txt").write_text(proc.stdout)
     return cwd
+
+
+def test_the_start_line_of_a_sharded_run_names_its_padded_evaluation(reference):
+    line = next(x for x in (reference / "stdout.txt").read_text().splitlines() if x.startswith("Run "))
+    assert (
+        "2 x cpu" in line
+        and "sharded: each rank evaluates a padded share, so a few validation samples count twice" in line
+    ), line
 
 
 def test_sharded_checkpoints_are_complete_folders_one_shard_per_rank(reference):
