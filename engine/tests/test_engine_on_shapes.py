@@ -162,6 +162,24 @@ def test_a_killed_two_rank_ddp_fit_resumes_from_mid_epoch_and_from_an_epoch_end_
     same_curves(reference / "runs", resumed / "runs")
 
 
+@pytest.mark.slow
+@pytest.mark.long  # CI and make test-all: a killed 2-rank fit and its resume on 1 rank (~35 s)
+def test_a_batchnorm_run_resumed_on_another_number_of_ranks_names_its_statistics_in_the_start_line(tmp_path):
+    """BatchNorm normalises each micro-batch over the samples of one rank: on 1 rank accumulating 2 micro-batches of 8
+    where 2 ranks ran 16 at once, its statistics differ, and the start line says so rather than claim the run
+    continues exactly."""
+    args = [*resumable(tmp_path, "batchnorm", 1), "--trainer.max_epochs", "2"]
+    proc = cli("fit", *args, *ddp("batchnorm"), *faults.kill_at(2, settle=True), cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and position(tmp_path / "runs") == (0, 1, 2), proc.stderr[-2000:]
+    out = cli("fit", *args, *DDP2[:2], "--trainer.devices", "1", "--ckpt_path", "last", cwd=tmp_path).stdout
+    line = next(x for x in out.splitlines() if x.startswith("Run "))
+    assert "elastic: 2 -> 1 rank(s): accumulate_grad_batches 1 -> 2 keeps the global batch of 16 samples" in line, line
+    assert (
+        "BatchNorm: its statistics now come from micro-batches of 8 samples over all ranks (16 before), so the run "
+        "continues close to, not equal to, the original"
+    ) in line, line
+
+
 def fixture_module(shape: str, ckpt: Path) -> torch.nn.Module:
     """The oracle's model: the fixture class (default arguments, as the runs use) with the checkpoint's weights."""
     from tests.fixtures import kinds
