@@ -266,4 +266,4 @@ def test_restart_launcher_recovers_from_a_worker_crash_exactly(tmp_path):
     )
     assert restart, proc.stderr[-3000:]
     assert f"resuming from {restart[1]} (global step {restart[2]})" in proc.stdout + proc.stderr
-    assert_same_run(reference, crashed, tags=("train/loss", "lr", "val/acc", "val/loss"))
+    assert_same_run(reference, crashed)  # the epoch-level train metrics of the resumed epoch too
