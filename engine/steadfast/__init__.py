@@ -11,9 +11,9 @@ What it guarantees, and what user code does to get each guarantee:
   list states is not kept, and the start line says so). User code: return plain ``DataLoader``s from the
   ``*_dataloader`` hooks; the engine puts in its samplers, as Lightning puts in its ``DistributedSampler``. Your own
   sampler or batch sampler is drawn again and continued (``own_orders``); an ``IterableDataset`` resumes at its
-  ``state_dict`` or is fast-forwarded past the samples trained on (``stream_resume``); a loader that keeps its own
-  position resumes at it (``own_positions``); what cannot follow is named in the start line. Draw randomness from
-  torch/numpy/random's global generators, or seed it per sample. A resume checks it
+  ``state_dict`` or is fast-forwarded past the samples trained on (``stream_resume``, ``stream_positions``); a loader
+  that keeps its own position resumes at it (``own_positions``); what cannot follow is named in the start line. Draw
+  randomness from torch/numpy/random's global generators, or seed it per sample. A resume checks it
   (``next_batch``): each checkpoint records the batch its run trains on next, and the resumed run's start line says
   ``resume verified`` at its first batch, or names the first difference, or why it could not compare.
 - **Elastic resume** (``elastic``, ``loaders``, ``resume``): ``fit --ckpt_path last --trainer.devices M`` continues

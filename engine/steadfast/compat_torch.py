@@ -13,7 +13,8 @@ pytree, gloo); tests/test_compat.py fails, naming the attribute, on a torch vers
 - DCP's ``DefaultLoadPlanner`` internals (``original_state_dict``, ``mappings``) and ``FileSystemReader.load_id``
   (``load_bytes_weights_only``, ``index_for_reader``, ``steadfast.sharded``).
 - gloo's messages for a lost peer (``PEER_GONE``, ``steadfast.rank_failures``).
-- ``torch.utils._pytree``'s ``tree_map`` and ``tree_leaves`` (``steadfast.export.formats``).
+- ``torch.utils._pytree``'s ``tree_map`` and ``tree_leaves`` (``steadfast.export.formats``; a batch's leaves for
+  ``steadfast.stream_positions.fingerprint``).
 - ``DataLoader._iterator``, the persistent workers' iterator a loader keeps (``unstarted_copy``,
   ``steadfast.stream_resume``).
 - ``DataLoader.__setattr__``'s refusal of ``sampler`` after ``__init__``, passed by to name the sampler a rebuilt

@@ -34,7 +34,7 @@ from steadfast.loaders import ResumableDataLoader, ResumableSampler
 from steadfast.own_orders import OwnOrder
 from steadfast.own_positions import OwnPosition
 from steadfast.sample_seeds import seed_per_sample
-from steadfast.stream_resume import Position
+from steadfast.stream_positions import Position
 from steadfast.user_loaders import own_order, saves_its_state
 
 # A record is one int64 tensor: these fields, then the n sample indices, then the n sample hashes.

@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader
 
 from steadfast.compat_torch import index_sampler, unstarted_copy
 from steadfast.sample_seeds import generator_states, set_generator_states
-from steadfast.stream_resume import StreamResume, fingerprint
+from steadfast.stream_positions import fingerprint
+from steadfast.stream_resume import StreamResume
 
 _END = object()
 

@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader
 
 from steadfast.compat import batches_fetched_ahead
 from steadfast.compat_torch import unstarted_copy
-from steadfast.stream_resume import StreamResume, fingerprint, loading_its_state
+from steadfast.stream_positions import fingerprint, loading_its_state
+from steadfast.stream_resume import StreamResume
 
 KEEP = 4  # the states of the last few batches yielded: Lightning's fetcher holds at most one ahead
 

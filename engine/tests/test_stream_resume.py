@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.stream_resume import Made, Position
+from steadfast.stream_positions import Made, Position
 from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, cli, cli_in_process, max_abs_diff
 
