@@ -206,6 +206,11 @@ def _own_position_checked(trainer: L.Trainer, loader: Any) -> tuple[str, str] | 
     ranks = f" on {len(codes)} ranks" if len(codes) > 1 else ""
     if 1 in codes:
         return "differs", f"no: {position.differs(f' on rank {codes.index(1)}' if len(codes) > 1 else '')}"
+    if 2 in codes and isinstance(position, Position) and "ahead" not in position.resumed:  # the key 1.5.0 added
+        return "unverified", (
+            f"not verified: {position.name}: its position in the checkpoint was recorded by an engine before 1.5.0, "
+            f"which kept no fingerprint of the batch fetched ahead, so there is none to compare {position.checked} with"
+        )
     if 2 in codes:
         return "unverified", (
             f"not verified: {position.name}: the checkpoint's run had fetched no batch ahead of training (a loader "

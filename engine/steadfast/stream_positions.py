@@ -96,7 +96,8 @@ def loading_its_state(batches: Iterator[Any], name: str, workers: int) -> Iterat
 def _fresh(epoch: int, workers: int) -> dict[str, Any]:
     """The position at an epoch's start: per worker, the batches and samples trained on, the fingerprint of its
     last one, its dataset's state after it; ``next``: the worker whose batch the loop takes next; ``ahead``: the
-    fingerprint of the batch handed out next (``None``: none handed out yet)."""
+    fingerprint of the batch handed out next (``None``: none handed out yet; absent from a position an engine before
+    1.5.0 recorded, which kept none)."""
     n = max(workers, 1)
     return {"epoch": epoch, "batches": [0] * n, "samples": [0] * n, "fingerprints": [None] * n,
             "states": [None] * n, "next": 0, "ahead": None}  # fmt: skip

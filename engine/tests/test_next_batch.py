@@ -4,10 +4,13 @@ test_sample_seeds.py, against uninterrupted runs), or the first difference, or w
 The differences here are made on purpose; the oracles are the engine's documented order (a permutation drawn from
 ``seed + epoch``), computed here, and the final weights of an uninterrupted run."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from steadfast.next_batch import _hashes
+from steadfast.next_batch import _hashes, _own_position_checked
+from steadfast.stream_positions import Made, Position
 from tests.helpers import QUIET, cli_in_process
 
 SEED = 42  # configs/default.yaml's seed_everything: the engine's samplers draw each epoch's order from seed + epoch
@@ -105,3 +108,33 @@ def test_a_samples_hash_is_its_own_whatever_batch_holds_it():
     changed[1, 2] = torch.nextafter(changed[1, 2], torch.tensor(1.0))  # one bit of one value
     assert _hashes({"x": torch.stack([changed, b, c]), "name": ["a", "b", "c"]}, 3)[0][1:] == rows[1:]
     assert _hashes({"x": torch.stack([changed, b, c]), "name": ["a", "b", "c"]}, 3)[0][0] != rows[0]
+
+
+# A stream's position as engine 1.4.0 saved it (its ``_fresh`` layout): no ``ahead``, the fingerprint of the batch
+# fetched ahead, which 1.5.0 added
+POSITION_1_4_0 = {"epoch": 0, "batches": [3], "samples": [12], "fingerprints": [7], "states": [{"at": 3}], "next": 0}
+
+
+@pytest.mark.parametrize("ahead", ["absent (engine 1.4.0)", None])
+def test_a_stream_resumed_without_a_fingerprint_of_the_batch_fetched_ahead_says_why_it_is_not_verified(ahead):
+    """A stream with its own state resumed mid-epoch from a position that holds no fingerprint of the batch fetched
+    ahead: one an engine before 1.5.0 recorded (no ``ahead`` at all) is named as such, not as a run that fetched no
+    batch ahead, which a 1.5.0 position says with ``ahead`` ``None`` (a loader with a length, a save at an epoch's
+    end)."""
+    saved = dict(POSITION_1_4_0) if ahead is not None else {**POSITION_1_4_0, "ahead": None}
+    position = Position("train loader 0 (Stream)", 0, True, True, lambda: 0)
+    position.restore = saved
+    restore = position.start_epoch()
+    assert restore is saved and position.resumed is saved  # resumed mid-epoch at the saved position
+    batches = position.hand_out(iter([Made("b", 0, 4, 101, {"at": 4})]), restore)
+    assert next(batches) == "b" and position.first == 101 and position.problem is None
+    kind, words = _own_position_checked(SimpleNamespace(world_size=1), SimpleNamespace(position=position))
+    assert kind == "unverified" and words.startswith("not verified: train loader 0 (Stream): "), words
+    if ahead is None:
+        assert "the checkpoint's run had fetched no batch ahead of training (a loader with a length" in words, words
+    else:
+        assert words.endswith(
+            "its position in the checkpoint was recorded by an engine before 1.5.0, which kept no fingerprint of the "
+            "batch fetched ahead, so there is none to compare its first batch with"
+        ), words
+        assert "had fetched no batch ahead" not in words, words
