@@ -12,8 +12,8 @@ Progress is a training batch (its start, its backward, its end), a validation, t
 of a checkpoint save, on any rank. A collective cannot tell about a peer that does not answer, so each rank keeps a
 heartbeat beside it: a few bytes of a file in the temporary folder, mapped into its memory. The hooks store the time
 and the global step there (a store into memory: no system call, no tensor read, no device sync), and the rank's
-watchdog thread stores the time it last ran, 5 times a second. Rank 0 (the process Lightning's launcher started the
-others from) reads every rank's heartbeat once a second. When no rank has progressed for ``hang_timeout``, it names
+watchdog thread stores the time it last ran, 5 times a second. Rank 0 reads every rank's heartbeat once a second.
+When no rank has progressed for ``hang_timeout``, it names
 
 - a rank whose watchdog stopped too: its whole process does not run (SIGSTOP, a debugger, a call that never lets go
   of Python's lock);
@@ -63,6 +63,7 @@ ALIVE, BEAT = struct.Struct("<d"), struct.Struct("<dqqq")  # at offsets 0 and 8
 FROZEN_S = 5.0  # a watchdog that has not run for this long: its process does not run
 TICK_S, CHECK_S = 0.2, 1.0
 PREFIX = "project-heartbeat"
+STOPPED = "its process stopped running: SIGSTOP, a debugger, or a call that holds Python's lock"
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,25 @@ def read_beat(path: Path) -> Beat | None:
     return Beat(*CELL.unpack(data)) if len(data) == CELL.size else None
 
 
+def remove_heartbeats_of_ended_runs() -> None:
+    """The heartbeats a run whose rank 0 was killed left in the temporary folder."""
+    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*"):
+        match = re.fullmatch(rf"{PREFIX}-(\d+)-\d+(?:\.\d+\.tmp)?", path.name)
+        if match and not _running(int(match[1])):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's
+    return True
+
+
 class Heartbeat:
     """This rank's heartbeat, mapped into memory: ``beat`` and ``alive`` store into it, the others read the file."""
 
@@ -112,15 +132,6 @@ class Heartbeat:
         self._cell.close()
 
 
-@dataclass(frozen=True)
-class Stall:
-    """What to report: the rank to name, how it stopped, and the other ranks' processes."""
-
-    rank: int
-    how: str
-    pids: list[int]
-
-
 def stalled(beats: dict[int, Beat | None], now: float, since: float, timeout: float) -> tuple[int, float, set]:
     """When no rank has progressed for ``timeout`` s (counted from ``since`` at the earliest): the local rank to name,
     its seconds without progress and the local ranks whose process does not run; else ``(-1, 0, set())``."""
@@ -137,6 +148,19 @@ def stalled(beats: dict[int, Beat | None], now: float, since: float, timeout: fl
     else:
         culprit = min(last, key=lambda i: (last[i], i))
     return culprit, now - last[culprit], frozen
+
+
+def _progress(what: int, phase: int = -1, ended: bool = False) -> Callable[..., None]:
+    """A hook that stores progress in this rank's heartbeat; ``phase``: a training batch's start, backward or end."""
+
+    def hook(self: "HangWatchdog", trainer: L.Trainer, *_: object) -> None:
+        if self.heart is None:
+            return
+        self.heart.beat(trainer.global_step, what, 3 * batches_begun(trainer) + phase if phase >= 0 else -1)
+        if ended and not self.armed and (what == TRAINING or trainer.state.fn != "fit"):
+            self._since, self.armed = time.monotonic(), True  # not the sanity check's batches, in fit
+
+    return hook
 
 
 class HangWatchdog(Callback):
@@ -194,56 +218,23 @@ class HangWatchdog(Callback):
             self.heart = None
 
     # Progress: a few hooks of every loop, each a store into the heartbeat
-    def _beat(self, trainer: L.Trainer, what: int, ended: bool = False, phase: int = -1) -> None:
-        if self.heart is not None:
-            point = 3 * batches_begun(trainer) + phase if phase >= 0 else -1
-            self.heart.beat(trainer.global_step, what, point)
-            if ended and not self.armed and (what == TRAINING or trainer.state.fn != "fit"):
-                self._since, self.armed = time.monotonic(), True  # not the sanity check's batches, in fit
-
-    def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, TRAINING, phase=0)
-
-    def on_before_backward(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, TRAINING, phase=1)
-
-    def on_train_batch_end(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, TRAINING, ended=True, phase=2)
-
-    def on_validation_batch_start(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, VALIDATING)
-
-    def on_validation_batch_end(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, VALIDATING, ended=True)
-
-    def on_test_batch_start(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, TESTING)
-
-    def on_test_batch_end(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, TESTING, ended=True)
-
-    def on_predict_batch_start(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, PREDICTING)
-
-    def on_predict_batch_end(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, PREDICTING, ended=True)
-
-    def on_save_checkpoint(self, trainer: L.Trainer, *_: object) -> None:
-        self._beat(trainer, SAVING)
+    on_train_batch_start = _progress(TRAINING, phase=0)
+    on_before_backward = _progress(TRAINING, phase=1)
+    on_train_batch_end = _progress(TRAINING, phase=2, ended=True)
+    on_validation_batch_start, on_validation_batch_end = _progress(VALIDATING), _progress(VALIDATING, ended=True)
+    on_test_batch_start, on_test_batch_end = _progress(TESTING), _progress(TESTING, ended=True)
+    on_predict_batch_start, on_predict_batch_end = _progress(PREDICTING), _progress(PREDICTING, ended=True)
+    on_save_checkpoint = _progress(SAVING)
 
     # The loop's end: what follows (the last write, the process group's end) takes as long as it takes
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.armed = False
 
+    on_test_end = on_predict_end = on_train_end
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.state.fn == "validate":
+        if trainer.state.fn == "validate":  # not a validation within fit
             self.armed = False
-
-    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.armed = False
-
-    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.armed = False
 
     def _watch(self) -> None:
         while not self._stop.wait(TICK_S):
@@ -251,9 +242,10 @@ class HangWatchdog(Callback):
             if stall is not None and not self._stop.is_set():
                 for path in self.paths:  # the report ends every rank's process: nothing would remove them
                     path.unlink(missing_ok=True)
-                self.report(stall.rank, stall.how, stall.pids)
+                self.report(*stall)
 
-    def _tick(self) -> Stall | None:
+    def _tick(self) -> tuple[int, str, list[int]] | None:
+        """``report``'s arguments when this rank is to report a hang, else ``None``."""
         now = time.monotonic()
         if now - self._ticked > FROZEN_S:
             self._since = now  # this process did not run either (Ctrl-Z, a suspend): count from now
@@ -272,33 +264,8 @@ class HangWatchdog(Callback):
             return None
         beat = beats[culprit]
         step, what = (beat.step, WHAT[beat.what]) if beat is not None and beat.progress > 0 else (0, WHAT[0])
-        cause = (
-            "its process stopped running: SIGSTOP, a debugger, or a call that holds Python's lock"
-            if culprit in frozen
-            else "its main thread is stuck"
-        )
-        how = (
-            f"made no progress for {quiet:.0f} s while {what} at global step {step} ({cause}; run.hang_timeout "
-            f"{self.timeout:g} s)"
-        )
+        cause = STOPPED if culprit in frozen else "its main thread is stuck"
+        how = f"made no progress for {quiet:.0f} s while {what} at global step {step} ({cause}; run.hang_timeout "
+        how += f"{self.timeout:g} s)"
         pids = [b.pid for i, b in beats.items() if b is not None and i != self.local]
-        return Stall(beat.rank if beat is not None else culprit, how, pids)
-
-
-def remove_heartbeats_of_ended_runs() -> None:
-    """The heartbeats a run whose rank 0 was killed left in the temporary folder."""
-    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*"):
-        match = re.fullmatch(rf"{PREFIX}-(\d+)-\d+(?:\.\d+\.tmp)?", path.name)
-        if match and not _running(int(match[1])):
-            with contextlib.suppress(OSError):
-                path.unlink()
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's
-    return True
+        return beat.rank if beat is not None else culprit, how, pids

@@ -1,21 +1,20 @@
 """A dead rank in one line: which rank failed and how, the checkpoint to resume from, and the command that does.
 
 Under Lightning's ``ddp`` launcher rank 0 is the process the user started and every other rank is its child. When
-one rank dies (a signal such as ``kill -9`` or the out-of-memory killer, or an exception on that rank only), the
-others fail inside their next collective (gloo: "Connection reset by peer") and each would print a traceback wall
-that names neither the dead rank nor what to do. Here a survivor's ``on_exception`` recognises that a peer is gone,
-and one of them (rank 0, or the lowest surviving rank when rank 0 is the one that died) prints instead::
+one rank dies (``kill -9``, the out-of-memory killer, an exception on that rank only), the others fail in their next
+collective (gloo: "Connection reset by peer"), each with a traceback wall that names neither the dead rank nor what
+to do. Here the survivors see that a peer is gone (a watcher thread, or ``on_exception``) and rank 0 (each other
+rank when rank 0 died; tested with 2 ranks on CPU, gloo) prints instead, in one line::
 
     error: rank 1 was killed by SIGKILL (kill -9, or out of memory); the other ranks stopped. Newest complete
     checkpoint, intact: runs/digits/version_0/checkpoints/last.ckpt (step 6). Resume: python -m steadfast fit ...
     --ckpt_path last
 
-(one line) and exits with code 1 at once. A rank whose own code raised keeps its traceback (the cause) and leaves
-its exception's first line in ``<run>/.failures/`` for the reporter. ``PROJECT_FAILURE_REPORT=FILE`` also writes
-the line to FILE (``scripts/train_resilient.sh`` repeats it when it restarts). Under torchrun or SLURM the
-launcher reports failed ranks itself and this stays out of the way. Tested with 2 ranks on CPU (gloo); with more,
-when rank 0 dies each survivor prints the line. A rank that hangs rather than dies is reported through ``report``
-too (``steadfast.hang_watchdog``).
+and exits with code 1 at once. A rank whose own code raised keeps its traceback (the cause) and leaves its
+exception's first line in ``<run>/.failures/`` for the reporter. ``PROJECT_FAILURE_REPORT=FILE`` also writes the
+line to FILE (``scripts/train_resilient.sh`` repeats it when it restarts). A hung rank is reported through
+``report`` too (``steadfast.hang_watchdog``). Under torchrun or SLURM the launcher reports failed ranks itself and
+this stays out of the way.
 
 Lightning's launcher has a watcher of its own, ``_ChildProcessObserver``: every 5 s it polls the ranks, and when one
 failed it SIGKILLs all of them and rank 0 with them, at once, without a word. Rank 0 sees a death within 0.2 s, but
@@ -105,20 +104,18 @@ class RankFailures(Callback):
         self._undo_observer = lambda: None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.rank = trainer.global_rank
-        # Lightning's launcher (not torchrun/SLURM) started the ranks: the others are rank 0's children
-        self.active = launched_by_lightning(trainer)
-        self.parent = os.getppid()
-        self.children = launched_children(trainer)
-        self.notes = Path(trainer.default_root_dir) / NOTES
-        self.family = Path(trainer.default_root_dir).parent
-        if self.active and self.rank == 0 and self.notes.is_dir():
+        root = Path(trainer.default_root_dir)
+        self.rank, self.parent, self.children = trainer.global_rank, os.getppid(), launched_children(trainer)
+        self.active, self.notes, self.family = launched_by_lightning(trainer), root / NOTES, root.parent
+        if not self.active:
+            return
+        if self.rank == 0 and self.notes.is_dir():
             for old in self.notes.glob("*.txt"):  # an earlier failure of this run folder
                 old.unlink(missing_ok=True)
-        if self.active and self.children:
+        if self.children:
             self._settled.clear()
             self._undo_observer = child_observer_waits(trainer, lambda: self._settled.wait(HOLD_S))
-        if self.active and self._watcher is None:
+        if self._watcher is None:
             self._done = False
             # Not only the next collective's error: rank 0 may be far from one (and Lightning's own observer
             # SIGKILLs it, silently, within 5 s of a child's death), and NCCL reports a dead peer only at its timeout.
@@ -147,12 +144,8 @@ class RankFailures(Callback):
                 if code and code not in STOP_CODES and not self._own_error and (code < 0 or self._note(i + 1)):
                     self.report(i + 1, self._how(i + 1, code))
             if self.rank != 0 and os.getppid() != self.parent and not self._done and not self._own_error:
-                self.report(0, self._rank0_how())
+                self.report(0, self._how(0))
             time.sleep(0.2)
-
-    def _rank0_how(self) -> str:
-        note = self._note(0)  # rank 0 is not this process's child: its exit status is its shell's to see
-        return f"raised {note}" if note else "was killed by a signal (kill -9, or out of memory)"
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not self.active or isinstance(exception, DELIBERATE):
@@ -183,7 +176,7 @@ class RankFailures(Callback):
                 return  # rank 0 lives: it reports (another rank died)
             while time.monotonic() < deadline and os.getppid() == self.parent:
                 time.sleep(0.05)  # rank 0 raised; let its traceback come first
-            self.report(0, self._rank0_how())
+            self.report(0, self._how(0))
 
     def _leave_note(self, exception: BaseException) -> None:
         if self.notes is not None:
@@ -194,13 +187,15 @@ class RankFailures(Callback):
         path = self.notes / f"{rank}.txt" if self.notes is not None else None
         return path.read_text().strip() if path is not None and path.is_file() else None
 
-    def _how(self, rank: int, code: int) -> str:
-        if code < 0:
-            name = signal.Signals(-code).name
+    def _how(self, rank: int, code: int | None = None) -> str:
+        # code None: rank 0, not this process's child (its exit status is its shell's to see)
+        if code is not None and code < 0:
             hint = " (kill -9, or out of memory)" if -code == signal.SIGKILL else ""
-            return f"was killed by {name}{hint}"
+            return f"was killed by {signal.Signals(-code).name}{hint}"
         note = self._note(rank)
-        return f"raised {note}" if note else f"exited with code {code}"
+        if note:
+            return f"raised {note}"
+        return "was killed by a signal (kill -9, or out of memory)" if code is None else f"exited with code {code}"
 
     def report(self, rank: int, how: str, others: Iterable[int] = ()) -> None:
         """Prints the line for ``rank`` ("rank 1 ``how``; ...") and ends the run: this process, the ranks it started
@@ -211,11 +206,9 @@ class RankFailures(Callback):
             if proc.poll() is None:
                 proc.kill()
         found = find_last_checkpoint(self.family)
-        if found is None:
-            saved = "No checkpoint was written yet."
-        else:
-            path, step = found
-            saved = f"Newest complete checkpoint, intact: {path} (step {step})."
+        saved = "No checkpoint was written yet."
+        if found is not None:
+            saved = f"Newest complete checkpoint, intact: {found[0]} (step {found[1]})."
         line = f"error: rank {rank} {how}; the other ranks stopped. {saved} Resume: {resume_command(sys.argv)}"
         sys.stdout.flush()
         print(line, file=sys.stderr, flush=True)
