@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one script for a GPU machine: 5 min 8 s on one H200 (2026-12-04, torch 2.11,
+# The checks that need a GPU, as one script for a GPU machine: 5-7 min on one H200 (2026-12-04, torch 2.11,
 # Lightning 2.6.6; each step has a time limit; one past it is killed and reported):
 #
 #   scripts/gpu_check.sh [--cpu] [OUT_DIR]        (default OUT_DIR: gpu_check_out; run from the project folder)
