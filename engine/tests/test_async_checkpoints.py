@@ -167,7 +167,7 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_file_exactl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.long)])
 def test_preemption_and_ctrl_c_with_a_write_in_flight_leave_a_complete_last_checkpoint(sig, tmp_path):
     # Writes take 1 s, steps milliseconds: step 8's save (every 4 steps) is being written when the signal comes at
     # step 9; the run stops after that batch and saves last.ckpt once the write in flight is done.

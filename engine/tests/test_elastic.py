@@ -178,6 +178,7 @@ def test_a_one_rank_run_killed_mid_epoch_continues_on_two_ranks_with_the_same_gl
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test: DDP 2 -> 1 above, and a sharded kill and resume in tests/test_sharded.py
 def test_a_sharded_two_rank_run_killed_mid_epoch_continues_on_one_rank_with_the_same_global_batches(
     uninterrupted_sharded, tmp_path
 ):
@@ -190,6 +191,7 @@ def test_a_sharded_two_rank_run_killed_mid_epoch_continues_on_one_rank_with_the_
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~30 s; the epoch note it ends in is checked in this process below
 def test_a_limit_on_micro_batches_ends_epochs_elsewhere_on_other_ranks_and_the_start_line_names_the_one_that_keeps_them(
     tmp_path,
 ):

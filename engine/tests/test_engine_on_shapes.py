@@ -133,7 +133,9 @@ def in_folder(path: Path) -> Path:
         pytest.param("classify", marks=pytest.mark.long),
         pytest.param("dict_floats", marks=pytest.mark.long),
         pytest.param("two_optimizers", marks=pytest.mark.long),
-        "batchnorm",  # DDP broadcasts rank 0's buffers: the ones its checkpoint holds
+        # DDP broadcasts rank 0's buffers: the ones its checkpoint holds. Long (~42 s): make test kills and resumes
+        # 2 ranks in tests/test_resume.py
+        pytest.param("batchnorm", marks=pytest.mark.long),
     ],
 )
 def test_a_killed_two_rank_ddp_fit_resumes_from_mid_epoch_and_from_an_epoch_end_bitwise_equal(shape, tmp_path):
@@ -278,7 +280,7 @@ def test_predict_writes_one_row_per_sample_in_dataset_order_as_the_module_comput
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fitted", ["classify", "dict_floats"], indirect=True)
+@pytest.mark.parametrize("fitted", ["classify", pytest.param("dict_floats", marks=pytest.mark.long)], indirect=True)
 def test_ddp_predictions_on_2_ranks_merge_into_the_single_process_file(fitted):
     shape, root = fitted
     ckpt = root / "kind" / "version_0" / "checkpoints" / "last.ckpt"
@@ -342,6 +344,7 @@ def test_validate_on_1_2_and_3_ranks_sees_each_sample_once_and_equals_one_proces
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test runs a sweep in tests/test_sweep.py
 def test_a_2_trial_sweep_minimizes_the_modules_own_metric(tmp_path):
     import optuna
     import yaml

@@ -95,7 +95,11 @@ def test_switching_classes_starts_from_that_classs_own_defaults_and_the_command_
 
 
 @pytest.mark.slow  # DDP: a subprocess
-@pytest.mark.parametrize("data", [[], ["--data", "tests.fixtures.slow_net.SlowToFail"]], ids=["prompt", "slow_rank0"])
+@pytest.mark.parametrize(
+    "data",
+    [[], pytest.param(["--data", "tests.fixtures.slow_net.SlowToFail"], marks=pytest.mark.long)],
+    ids=["prompt", "slow_rank0"],
+)
 def test_an_error_raised_on_every_rank_is_said_once_and_leaves_no_run_folder(tmp_path, data):
     # 1 test sample for 2 ranks: the engine's sampler refuses it alike on both. slow_rank0: rank 0 ends 7 s after
     # rank 1, past Lightning's observer's 5 s poll, which once SIGKILLed it mid-message (exit -9, no line)

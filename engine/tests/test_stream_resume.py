@@ -305,7 +305,7 @@ def test_a_resumed_stream_whose_first_batch_is_not_the_one_fetched_next_stops_un
         ("tokens", "0"),
         pytest.param("tokens", "2", marks=pytest.mark.long),
         pytest.param("hf", "0", marks=pytest.mark.long),
-        ("hf", "2"),
+        pytest.param("hf", "2", marks=pytest.mark.long),  # make test: a Hugging Face stream below
     ],
     ids=lambda x: x,
 )
@@ -451,7 +451,7 @@ def test_a_shuffled_hugging_face_stream_whose_state_leaves_out_its_buffer_stops_
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
-    [["--data.source", "map", "--trainer.max_epochs", "2"],
+    [pytest.param(["--data.source", "map", "--trainer.max_epochs", "2"], marks=pytest.mark.long),
      ["--data.source", "tokens", "--data.loader", "stateful", "--data.state", "true", "--trainer.max_steps", "50"]],
     ids=["map-dataloader", "stream-statefuldataloader"],
 )  # fmt: skip
@@ -465,7 +465,14 @@ def test_a_module_that_reads_estimated_stepping_batches_resumes_its_loaders_exac
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sampler", "workers"), [("own", "0"), ("counting", "2"), ("buckets", "0")])
+@pytest.mark.parametrize(
+    ("sampler", "workers"),
+    [
+        ("own", "0"),
+        pytest.param("counting", "2", marks=pytest.mark.long),
+        pytest.param("buckets", "0", marks=pytest.mark.long),
+    ],
+)
 def test_a_killed_fit_of_a_loader_with_its_own_sampler_resumes_in_its_order_after_the_batches_trained_on(
     sampler, workers, tmp_path
 ):

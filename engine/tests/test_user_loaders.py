@@ -215,7 +215,9 @@ def test_validate_under_ddp_without_lightnings_sampler_names_that_each_rank_sees
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("checkpoint", "kill", "saved"), [(EVERY_4_STEPS, 18, 16), (EPOCH_END, 28, 24)])
+@pytest.mark.parametrize(
+    ("checkpoint", "kill", "saved"), [(EVERY_4_STEPS, 18, 16), pytest.param(EPOCH_END, 28, 24, marks=pytest.mark.long)]
+)
 def test_a_killed_fit_of_plain_loaders_resumes_bitwise_equal(checkpoint, kill, saved, tmp_path):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     reference.mkdir()
@@ -233,6 +235,7 @@ def test_a_killed_fit_of_plain_loaders_resumes_bitwise_equal(checkpoint, kill, s
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test kills and resumes 2 ranks in tests/test_resume.py
 def test_a_killed_two_rank_ddp_fit_of_plain_loaders_resumes_mid_epoch_bitwise_equal(tmp_path):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     reference.mkdir()
