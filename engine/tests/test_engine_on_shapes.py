@@ -127,17 +127,9 @@ def in_folder(path: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "shape",
-    [
-        pytest.param("classify", marks=pytest.mark.long),
-        pytest.param("dict_floats", marks=pytest.mark.long),
-        pytest.param("two_optimizers", marks=pytest.mark.long),
-        # DDP broadcasts rank 0's buffers: the ones its checkpoint holds. Long (~42 s): make test kills and resumes
-        # 2 ranks in tests/test_resume.py
-        pytest.param("batchnorm", marks=pytest.mark.long),
-    ],
-)
+@pytest.mark.long  # ~40 s a shape; make test kills and resumes 2 ranks in tests/test_resume.py
+# batchnorm: DDP broadcasts rank 0's buffers, the ones its checkpoint holds
+@pytest.mark.parametrize("shape", ["classify", "dict_floats", "two_optimizers", "batchnorm"])
 def test_a_killed_two_rank_ddp_fit_resumes_from_mid_epoch_and_from_an_epoch_end_bitwise_equal(shape, tmp_path):
     """Two DDP ranks, every rank kill -9'd where last.ckpt is mid-epoch, resumed; killed again where it is at an
     epoch's end, resumed to the end. The oracle: the uninterrupted 2-rank run."""
