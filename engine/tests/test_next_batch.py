@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from steadfast.next_batch import _hashes, _own_position_checked
+from steadfast.batch_fingerprint import hashes
+from steadfast.next_batch import _own_position_checked
 from steadfast.stream_positions import Made, Position
 from tests.helpers import QUIET, cli_in_process
 
@@ -101,13 +102,13 @@ def test_a_loader_with_its_own_sampler_is_verified_by_its_indices_or_named_unver
 
 def test_a_samples_hash_is_its_own_whatever_batch_holds_it():
     a, b, c = (torch.randn(3, 4, generator=torch.Generator().manual_seed(s)) for s in range(3))
-    rows, whole = _hashes({"x": torch.stack([a, b, c]), "name": ["a", "b", "c"]}, 3)
-    other_rows, other_whole = _hashes({"x": torch.stack([c, a]), "name": ["c", "a"]}, 2)
+    rows, whole = hashes({"x": torch.stack([a, b, c]), "name": ["a", "b", "c"]}, 3)
+    other_rows, other_whole = hashes({"x": torch.stack([c, a]), "name": ["c", "a"]}, 2)
     assert other_rows == [rows[2], rows[0]] and len(set(rows)) == 3 and other_whole != whole
     changed = a.clone()
     changed[1, 2] = torch.nextafter(changed[1, 2], torch.tensor(1.0))  # one bit of one value
-    assert _hashes({"x": torch.stack([changed, b, c]), "name": ["a", "b", "c"]}, 3)[0][1:] == rows[1:]
-    assert _hashes({"x": torch.stack([changed, b, c]), "name": ["a", "b", "c"]}, 3)[0][0] != rows[0]
+    assert hashes({"x": torch.stack([changed, b, c]), "name": ["a", "b", "c"]}, 3)[0][1:] == rows[1:]
+    assert hashes({"x": torch.stack([changed, b, c]), "name": ["a", "b", "c"]}, 3)[0][0] != rows[0]
 
 
 # A stream's position as engine 1.4.0 saved it (its ``_fresh`` layout): no ``ahead``, the fingerprint of the batch
