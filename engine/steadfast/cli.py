@@ -150,7 +150,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             callbacks += [self.run_folder, guarantees]
         # run.monitor's ModelCheckpoint and EarlyStopping (in every subcommand: a checkpoint names their states),
         # checked before either acts
-        from_run, said = run_monitor_callbacks(cli_section(self, self.config_init, "run"), callbacks, base_monitor())
+        from_run, monitor, said = run_monitor_callbacks(runs, callbacks, base_monitor())
         if said and self.subcommand == "fit":
             rank_zero_only(print)(said, flush=True)
         checks = [CheckMonitored(from_run)] if self.subcommand == "fit" else []
@@ -176,7 +176,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
         # What judges the run, found once and handed to what reads its best (the summary, a sweep's trial), to the
         # resume record (which names it in each checkpoint) and to after_fit / the sweep
-        self.judge = judge_of(callbacks)
+        self.judge = judge_of(callbacks, monitor)
         resume.judge = self.judge
         for callback in callbacks:
             if isinstance(callback, ReadsJudge):

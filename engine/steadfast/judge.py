@@ -49,33 +49,46 @@ def monitor_callbacks(runs: Any) -> list[Callback]:
     return callbacks
 
 
-def run_monitor_callbacks(runs: Any, given: list[Callback], base_monitor: str | None) -> tuple[list[Callback], str]:
-    """The callbacks ``runs`` asks for beside ``given`` (the config's ``trainer.callbacks``), and a line to say.
+def run_monitor_callbacks(
+    runs: Any, given: list[Callback], base_monitor: str | None
+) -> tuple[list[Callback], str | None, str]:
+    """The callbacks ``runs`` asks for beside ``given`` (the config's ``trainer.callbacks``), the key the run is
+    judged by (``None``: none), and a line to say.
 
     - ``given`` holds a ``ModelCheckpoint`` with a monitor and ``run.monitor`` is only the base config's (the
-      example's ``val/acc``, which a user's own module may not log): the user's checkpoint judges the run, and
-      ``run.monitor``'s is not built.
+      example's ``val/acc``, which a user's own module may not log), or none: the user's first such checkpoint
+      judges the run, and ``run.monitor``'s is not built.
     - A ``ModelCheckpoint`` of ``given`` monitoring what ``run.monitor`` does, as the engine's would: the user's is
       that one (Lightning refuses two callbacks with one state key).
-    - Two monitors that disagree are both kept, and named: ``run.monitor``'s is the run's (listed first, it is the
-      checkpoint ``--ckpt_path best``, the summary and a sweep read).
+    - Two monitors that disagree are both kept, and named: the run's (``run.monitor``'s, else the first) picks the
+      checkpoint ``--ckpt_path best``, the summary and a sweep read.
     """
     theirs = [c for c in given if isinstance(c, ModelCheckpoint) and c.monitor]
-    if runs.monitor is not None and runs.monitor == base_monitor and theirs and runs.monitor not in _monitors(theirs):
+    aside = runs.monitor is not None and runs.monitor == base_monitor and theirs
+    if runs.monitor is None or (aside and runs.monitor not in _monitors(theirs)):
+        if not theirs:
+            return [], None, ""
         first = theirs[0]
         early = [EarlyStopping(monitor=first.monitor, mode=first.mode, patience=runs.patience)]
-        return early if runs.patience is not None else [], (
-            f"monitor: {first.monitor!r} ({first.mode}), the ModelCheckpoint of trainer.callbacks; the base "
-            f"config's run.monitor {base_monitor!r} is set aside (--run.monitor KEY chooses)"
-        )
+        others = sorted(_monitors(theirs) - {first.monitor})
+        also = f"; another also keeps files by {', '.join(map(repr, others))}" if others else ""
+        said = f"monitor: {first.monitor!r} ({first.mode}), the first ModelCheckpoint of trainer.callbacks{also}"
+        if runs.monitor is not None:
+            said += f"; the base config's run.monitor {base_monitor!r} is set aside"
+        if runs.monitor is None and not others:
+            said = ""  # the only monitor there is: nothing to choose between
+        else:
+            said += " (--run.monitor KEY chooses)"
+        return early if runs.patience is not None and runs.monitor is not None else [], first.monitor, said
     built = [c for c in monitor_callbacks(runs) if not any(g.state_key == c.state_key for g in given)]
     others = sorted(_monitors(theirs) - {runs.monitor})
-    if runs.monitor is None or not others:
-        return built, ""
-    return built, (
-        f"two monitors: run.monitor {runs.monitor!r} picks the best checkpoint, the summary and a sweep's objective; "
-        f"a ModelCheckpoint of trainer.callbacks also keeps files by {', '.join(map(repr, others))}"
+    if not others:
+        return built, runs.monitor, ""
+    said = (
+        f"two monitors: run.monitor {runs.monitor!r} picks the best checkpoint, the summary and a sweep's "
+        f"objective; a ModelCheckpoint of trainer.callbacks also keeps files by {', '.join(map(repr, others))}"
     )
+    return built, runs.monitor, said
 
 
 class ReadsJudge:
@@ -85,11 +98,13 @@ class ReadsJudge:
     judge: ModelCheckpoint | None = None
 
 
-def judge_of(callbacks: list[Callback]) -> ModelCheckpoint | None:
-    """The checkpoint that judges the run, among the callbacks the CLI built (``run.monitor``'s first, else the
-    config's first with a monitor; none with checkpointing off). The CLI finds it once and hands it to what reads
-    the run's best: the summary, test after fit, a sweep's objective and trial, the resume record."""
-    return next((c for c in callbacks if isinstance(c, ModelCheckpoint) and c.monitor), None)
+def judge_of(callbacks: list[Callback], monitor: str | None) -> ModelCheckpoint | None:
+    """The checkpoint that judges the run, among the callbacks the CLI built: the first monitoring ``monitor`` (the
+    run's, from ``run_monitor_callbacks``), else the first with a monitor; none with checkpointing off. The CLI finds
+    it once and hands it to what reads the run's best: the summary, test after fit, a sweep's objective and trial,
+    the resume record."""
+    monitored = [c for c in callbacks if isinstance(c, ModelCheckpoint) and c.monitor]
+    return next((c for c in monitored if c.monitor == monitor), monitored[0] if monitored else None)
 
 
 def _monitors(callbacks: list[Any]) -> set[str]:
@@ -127,6 +142,10 @@ class CheckMonitored(Callback):
         if self.checked:
             return
         watchers = self.watchers
+        if trainer.sanity_checking and len(trainer.num_sanity_val_batches) > 1:
+            # Lightning fills callback_metrics with several validation loaders' keys (val_loss/dataloader_idx_0) only
+            # after the sanity check: every key is checked at the first validation after training instead
+            return
         if trainer.sanity_checking:
             # no training step has logged yet: a training metric (train_loss, train/acc) is checked at the first
             # validation after training instead, every other key now, before any training
@@ -171,6 +190,7 @@ class Scored:
     mode: str  # "min" or "max"
     score: float
     mtime: float
+    judge: tuple[str, str] | None = None  # the run's (monitor, mode), from the engine's record in the file
 
 
 def scored_checkpoint(path: Path) -> Scored | None:
@@ -194,7 +214,8 @@ def scored_checkpoint(path: Path) -> Scored | None:
                 mode = judge["mode"]
             else:
                 mode = state_key_arguments(key).get("mode", "min")
-            return Scored(path, state["monitor"], mode, float(scores[path.name]), path.stat().st_mtime)
+            run = (judge["monitor"], judge["mode"]) if judge is not None and "monitor" in judge else None
+            return Scored(path, state["monitor"], mode, float(scores[path.name]), path.stat().st_mtime, run)
     return None
 
 
@@ -206,16 +227,22 @@ def best_checkpoint(run_dir: Path) -> tuple[Scored, int] | None:
     """The best top-k checkpoint in ``run_dir/checkpoints`` and how many were ranked; ``None`` if none was saved by
     a ``ModelCheckpoint`` with a ``monitor``.
 
-    Files are ranked by the monitor (and mode) of the newest of them, should a resumed run have changed it; on a
-    tie the older file wins, as in Lightning's own choice.
+    Files are ranked by the run's monitor (and mode) as the newest of them records it (the first ``ModelCheckpoint``
+    with a monitor, the one the summary names, when several keep files), should a resumed run have changed it; a
+    run without the engine's record (plain Lightning) by the newest file's own. On a tie the older file wins, as in
+    Lightning's own choice.
     """
     scored = [s for p in (run_dir / "checkpoints").glob("*.ckpt") if _complete(p) and (s := scored_checkpoint(p))]
     if not scored:
         return None
     scored.sort(key=lambda s: s.mtime)
     newest = scored[-1]
-    ranked = [s for s in scored if (s.monitor, s.mode) == (newest.monitor, newest.mode)]
-    pick = max if newest.mode == "max" else min
+    monitor, mode = newest.judge or (newest.monitor, newest.mode)
+    ranked = [s for s in scored if (s.monitor, s.mode) == (monitor, mode)]
+    if not ranked:  # the judge kept no file (all rotated away): the newest file's own monitor, as before
+        monitor, mode = newest.monitor, newest.mode
+        ranked = [s for s in scored if (s.monitor, s.mode) == (monitor, mode)]
+    pick = max if mode == "max" else min
     return pick(ranked, key=lambda s: s.score), len(ranked)
 
 

@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from tests.helpers import DDP2, QUIET, RUN_NAME, cli, cli_in_process
+from tests.helpers import DDP2, QUIET, RUN_NAME, cli, cli_in_process, scalars
 
 OWN = ["--model", "tests.fixtures.shapes.DictRegression", "--data", "tests.fixtures.shapes.DictData"]
 SHORT = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "2"]
@@ -108,3 +108,25 @@ def test_an_error_raised_on_every_rank_is_said_once_and_leaves_no_run_folder(tmp
     assert proc.returncode == 1 and len(errors) == 1, proc.stdout + proc.stderr
     assert "fewer than the 2 ranks" in errors[0]
     assert not (tmp_path / "runs" / RUN_NAME).exists()
+
+
+TWO_VAL = ["--model", "tests.fixtures.kinds.TwoValRegress", "--data", "tests.fixtures.kinds.TwoValData"]
+
+
+def test_a_monitor_of_one_of_several_validation_loaders_judges_the_run_and_a_wrong_one_stops_it(tmp_path, capsys):
+    """Lightning fills ``callback_metrics`` of several validation loaders only after the sanity check: the key a
+    ``ModelCheckpoint`` of the user's monitors (``val_mse/dataloader_idx_0``) is checked at the first validation,
+    not refused at the sanity check as never logged."""
+    own = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.mode=min"]
+    fit = cli_in_process("fit", *TWO_VAL, *SHORT, *own, "--trainer.callbacks.monitor=val_mse/dataloader_idx_0",
+                         root=tmp_path)  # fmt: skip
+    (judge,) = [c for c in fit.trainer.checkpoint_callbacks if getattr(c, "monitor", None)]
+    logged = dict(scalars(tmp_path / "two_val" / "version_0")["val_mse/dataloader_idx_0"])
+    assert judge.best_model_score.item() == pytest.approx(min(logged.values()), abs=1e-6), (judge, logged)
+    assert f"Run summary: best val_mse/dataloader_idx_0 {min(logged.values()):.4f}" in capsys.readouterr().out
+    message = failure(*TWO_VAL, *SHORT, *own, "--trainer.callbacks.monitor=val_mse/dataloader_idx_2", root=tmp_path)
+    assert message.startswith(
+        "error: the monitor of a ModelCheckpoint in trainer.callbacks is 'val_mse/dataloader_idx_2', which the module "
+        "did not log by the end of the first validation (it logs: train_mse, val_mse/dataloader_idx_0, "
+        "val_mse/dataloader_idx_1)"
+    ), message

@@ -2,6 +2,8 @@
 guarantee: ``last.ckpt`` on the timer, at the end and on SIGTERM, the periodic files, the LR curve, the run summary,
 an exact resume; what it switches off is said in the start line (real CLI processes)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -105,8 +107,8 @@ def test_ones_own_monitor_judges_the_run_not_the_base_configs_val_acc(tmp_path):
                       "      init_args: {monitor: val_mse, mode: min, save_last: true}\n")  # fmt: skip
     proc = cli("fit", *REGRESS, "--config", str(config), cwd=tmp_path)
     out = proc.stdout + proc.stderr
-    assert "monitor: 'val_mse' (min), the ModelCheckpoint of trainer.callbacks; the base config's run.monitor " \
-           "'val/acc' is set aside" in out, out[-3000:]  # fmt: skip
+    assert "monitor: 'val_mse' (min), the first ModelCheckpoint of trainer.callbacks; the base config's " \
+           "run.monitor 'val/acc' is set aside" in out, out[-3000:]  # fmt: skip
     (run,) = run_dirs(tmp_path, "kind")
     mse = dict(scalars(run)["val_mse"])
     best_step = min(mse, key=mse.get)
@@ -115,6 +117,29 @@ def test_ones_own_monitor_judges_the_run_not_the_base_configs_val_acc(tmp_path):
     assert not list((run / "checkpoints").glob("best-*"))  # run.monitor's best-k was not built beside it
     proc = cli("validate", *REGRESS, "--ckpt_path", "best", cwd=tmp_path)
     assert f"step={best_step + 1}.ckpt (best val_mse {mse[best_step]:.4f}, mode min" in proc.stdout + proc.stderr
+
+
+def test_of_two_own_model_checkpoints_the_first_judges_the_run_though_the_other_saved_last(tmp_path):
+    """Two ModelCheckpoints of the user's with other monitors: the first (``train_mse``) is the run's, named at
+    start beside the other, and ``--ckpt_path best`` ranks by it though the newest file is the other's
+    (``val_mse``): the summary and ``--ckpt_path best`` name one file."""
+    config = tmp_path / "own.yaml"
+    config.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+                      "      init_args: {monitor: train_mse, mode: min, filename: 'train-{step}'}\n"
+                      "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+                      "      init_args: {monitor: val_mse, mode: min, save_top_k: 2}\n")  # fmt: skip
+    proc = cli("fit", *REGRESS, "--config", str(config), cwd=tmp_path)
+    assert "monitor: 'train_mse' (min), the first ModelCheckpoint of trainer.callbacks; another also keeps files " \
+           "by 'val_mse'; the base config's run.monitor 'val/acc' is set aside (--run.monitor KEY chooses)" in \
+        proc.stdout, proc.stdout[-3000:]  # fmt: skip
+    (run,) = run_dirs(tmp_path, "kind")
+    (summary,) = [line for line in proc.stdout.splitlines() if line.startswith("Run summary:")]
+    best = summary.split("| best checkpoint ")[1].split(" |")[0]
+    assert "best train_mse" in summary and Path(best).name.startswith("train-"), summary
+    files = sorted(run.glob("checkpoints/*=*.ckpt"), key=lambda p: p.stat().st_mtime_ns)
+    assert not files[-1].name.startswith("train-"), [p.name for p in files]  # precondition: the newest is val_mse's
+    proc = cli("validate", *REGRESS, "--ckpt_path", "best", cwd=tmp_path)
+    assert f"--ckpt_path best: {best} (best train_mse" in proc.stdout + proc.stderr, (proc.stderr[-2000:], best)
 
 
 @pytest.mark.long  # CI and make test-all
