@@ -31,6 +31,7 @@ from steadfast.guards import StopOnNonFinite
 from steadfast.hang_watchdog import HangWatchdog
 from steadfast.judge import CheckMonitored, ReadsJudge, judge_of, run_monitor_callbacks, test_best
 from steadfast.loggers import let_appended_loggers_parse
+from steadfast.monitored_values import MonitoredValues
 from steadfast.one_file_per_point import OneFilePerPoint
 from steadfast.predictions import PredictionWriter
 from steadfast.rank_failures import RankFailures
@@ -192,6 +193,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             loaders,  # the engine's samplers in the user's loaders
             streams,
             resume,
+            MonitoredValues(),  # the values callbacks and plateau schedulers judge by, carried across a resume
         ]
         if config.get("profiler") is None:
             kwargs["profiler"] = NoProfiler()

@@ -39,6 +39,9 @@ attribute, on a Lightning version where one changed.
 - The fit loop's live micro-batch counters (``fit_loop.epoch_loop.batch_progress``: ``current`` and ``total``, each
   ``ready``/``started``/``processed``/``completed``), rescaled on a resume on another number of ranks
   (``rescale_batch_progress``, ``steadfast.resume``).
+- ``fit_loop.restarting``, still set at the end of the epoch a mid-epoch resume lands in, where ``FitLoop`` skips
+  the ``ReduceLROnPlateau`` step; cleared there once the monitored values are back
+  (``step_the_plateau_schedulers_of_a_resumed_epoch``, ``steadfast.monitored_values``).
 - ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume from an epoch's last batch end
   (``start_the_epoch_lightning_skipped``, ``steadfast.resume``).
 - ``ModelCheckpoint.file_exists`` replaced on an instance, so that a save still being written counts as a file
@@ -247,6 +250,20 @@ def start_the_epoch_loop_afresh(trainer: L.Trainer) -> None:
         loop.reset_restart_stage()
     except AttributeError as error:
         raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
+
+
+def step_the_plateau_schedulers_of_a_resumed_epoch(trainer: L.Trainer) -> None:
+    """``FitLoop.on_advance_end`` steps ``ReduceLROnPlateau`` schedulers only when the fit loop is not restarting,
+    which it still is at the end of the epoch a mid-epoch resume lands in. Call it in ``on_train_epoch_end`` of that
+    epoch, once the monitored values are back (``steadfast.monitored_values``): the loop then counts as not
+    restarting, and Lightning steps them after the epoch's metrics are in, as in the uninterrupted run. (Lightning
+    #18595; the fix proposed in docs/upstream.md.)"""
+    try:
+        loop = trainer.fit_loop
+        if loop.restarting:
+            loop.restarting = False  # Lightning's setter: its child loops too; all are past their restart here
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop has no {error.name}") from None
 
 
 def batches_begun(trainer: L.Trainer) -> int:

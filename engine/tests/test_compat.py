@@ -1014,3 +1014,40 @@ def test_fit_loop_leaves_loader_states_unloaded_after_estimated_stepping_batches
     again.fit(Counting(), ckpt_path=ckpt)
     assert probe.pending == [{"at": 2}] and probe.did  # Lightning left it; the engine loaded it
     assert Loader.loaded == [{"at": 2}]
+
+
+def test_lightning_skips_the_plateau_step_of_a_resumed_epoch_and_the_engine_lets_it_step(tmp_path):
+    """Plain Lightning: resumed mid-epoch 1, ``ReduceLROnPlateau`` is not stepped at that epoch's end (``FitLoop``:
+    not while restarting), so the LR halves twice where the uninterrupted run halved it three times;
+    ``step_the_plateau_schedulers_of_a_resumed_epoch`` at that epoch's end gives the uninterrupted LR. If this fails
+    because Lightning now steps it, the fix can go."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from steadfast.compat import step_the_plateau_schedulers_of_a_resumed_epoch
+
+    class Module(BoringModel):
+        def validation_step(self, batch, batch_idx):
+            self.log("v", self.step(batch))
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            # never improves by 1000 % (not even on infinity): halves at every epoch's end
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=10.0)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "v"}}
+
+    class Step(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            step_the_plateau_schedulers_of_a_resumed_epoch(trainer)
+
+    def fit(*more: L.Callback, ckpt: Path | None = None) -> float:
+        every_5 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1, filename="{step}")
+        trainer = L.Trainer(max_epochs=3, limit_train_batches=4, limit_val_batches=1, callbacks=[every_5, *more],
+                            logger=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        trainer.fit(Module(), ckpt_path=ckpt)
+        return trainer.optimizers[0].param_groups[0]["lr"]
+
+    assert fit() == pytest.approx(0.0125)  # 0.1, halved at the ends of epochs 0, 1 and 2
+    mid_epoch = tmp_path / "step=5.ckpt"  # epoch 1, batch 0 done
+    assert torch.load(mid_epoch, weights_only=True)["epoch"] == 1
+    assert fit(ckpt=mid_epoch) == pytest.approx(0.025)  # Lightning: epoch 1's end not stepped
+    assert fit(Step(), ckpt=mid_epoch) == pytest.approx(0.0125)

@@ -1,0 +1,66 @@
+"""The values a run's callbacks and schedulers judge by (``trainer.callback_metrics``: the last validation's
+``val_loss``, the last step's ``train_loss``), carried across a resume.
+
+Lightning does not save them: a resumed run starts with none, until its next validation. So a ``ModelCheckpoint``
+of the user's that saves every N steps by a validation metric skips each save before that validation (the
+uninterrupted run saved and scored it: another best file, another summary, another ``--ckpt_path best``), and
+Lightning does not step a ``ReduceLROnPlateau`` at the end of the epoch a mid-epoch resume lands in ("metrics are
+not saved in the checkpoint", ``FitLoop.on_advance_end``): its LR halves an epoch late. Here each checkpoint keeps
+rank 0's values (the file rank 0 writes; a monitored value is the same on every rank when logged with
+``sync_dist`` or a torchmetrics ``Metric``), a resume sets them again before its first batch, and the plateau
+step of that epoch is Lightning's own, once the values are back. (Lightning #18595; docs/upstream.md.)
+"""
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from steadfast.compat import step_the_plateau_schedulers_of_a_resumed_epoch
+
+
+class MonitoredValues(Callback):
+    """Saves ``trainer.callback_metrics`` in each checkpoint of a fit, sets them again on resume, and lets Lightning
+    step ``ReduceLROnPlateau`` at the end of a resumed epoch (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._trainer: L.Trainer | None = None
+        self._saved: dict[str, torch.Tensor] | None = None  # loaded from the checkpoint resumed from
+        self._resumed = False  # this fit's values came back: its first epoch's end may step the plateau schedulers
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        if trainer is None or trainer.state.fn != "fit":
+            return {}
+        values = {}
+        for key, value in trainer.callback_metrics.items():
+            if isinstance(value, int | float):
+                value = torch.tensor(value)
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                values[key] = value.detach().cpu().clone()
+        return {"values": values}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved = state_dict.get("values")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        saved, self._saved = self._saved, None
+        if saved is None or trainer.ckpt_path is None:
+            return
+        device = pl_module.device  # where Lightning keeps the values it logs
+        current = trainer.callback_metrics  # the dict itself: what a callback reads next
+        for key, value in saved.items():
+            current.setdefault(key, value.to(device))
+        self._resumed = True
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Before the monitoring callbacks' and the loop's own epoch end: Lightning then steps the plateau schedulers
+        # of the resumed epoch, as the uninterrupted run did (only a run whose values came back: a checkpoint of
+        # plain Lightning has none, and Lightning's skip stays)
+        if self._resumed:
+            step_the_plateau_schedulers_of_a_resumed_epoch(trainer)
+            self._resumed = False
