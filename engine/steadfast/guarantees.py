@@ -5,7 +5,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -90,7 +90,8 @@ class Guarantees(Callback):
             weights = f"the weights fit ended with, step {trainer.global_step}"
         else:
             weights = "untrained weights"
-        notes = self._loader_notes().get("val" if stage == "validate" else stage, [])
+        split = "val" if stage == "validate" else stage
+        notes = self._loader_notes().get(split, []) + (limit_notes(trainer, split) if split != "predict" else [])
         print(
             f"Run {trainer.default_root_dir} ({stage} of {weights}) | {self._ranks(trainer)} | logs: "
             f"{self._logs(trainer)}" + (" | opts out: " + "; ".join(notes) if notes else ""),
@@ -131,6 +132,7 @@ class Guarantees(Callback):
         elif any(isinstance(dl, ResumableDataLoader) and type(dl.sampler) is not ResumableSampler for dl in loaders):
             out.append("overfit_batches: a mid-epoch resume loads the consumed batches again to skip them")
         out += notes.get("val", [])  # built by now unless the sanity check is off
+        out += limit_notes(trainer, "val") if trainer.enable_validation else []
         resume = self.resume
         out += resume.notes(trainer, trainer.lightning_module) if resume is not None else []
         if not torch.are_deterministic_algorithms_enabled() and trainer.strategy.root_device.type == "cuda":
@@ -140,6 +142,8 @@ class Guarantees(Callback):
                 "deterministic: warn: ops with no deterministic CUDA kernel (each named once in a warning) run "
                 "nondeterministically, so a resume through them is close, not bitwise equal"
             )
+        if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):  # the user's own
+            out.append(SWA)
         if isinstance(trainer.strategy, ModelParallelStrategy) and trainer.world_size > 1:
             out.append("sharded: each rank evaluates a padded share, so a few validation samples count twice")
         out += [
@@ -165,6 +169,81 @@ class Guarantees(Callback):
     def _loader_notes(self) -> dict[str, list[str]]:
         """Per split, the guarantees the loaders that ``UserLoaders`` left alone give up."""
         return self.loaders.notes if self.loaders is not None else {}
+
+
+# Lightning's callback sets up its SWALR scheduler and its count of models averaged in ``on_train_epoch_start``, which a
+# resume mid-epoch skips, and ``on_fit_start`` clears the restored schedulers: measured, the resumed run's SWALR one
+# step behind and its final average different. Its ``EMAWeightAveraging``/``WeightAveraging`` resume exactly.
+SWA = (
+    "StochasticWeightAveraging: Lightning's callback starts its SWALR schedule and its average at an epoch's start, "
+    "so a resume mid-epoch continues them inexactly (a resume at an epoch's end is exact)"
+)
+
+
+def limit_notes(trainer: L.Trainer, split: str) -> list[str]:
+    """``limit_val_batches``/``limit_test_batches`` on more than one data-parallel rank, in the start line's words:
+    Lightning cuts each rank's own batches to the limit, while the engine gives each evaluation sample to exactly one
+    rank, so the ranks may evaluate other samples than one process would. Counted from the engine's split where a
+    loader has it (named only where the samples differ), else named as possible."""
+    name, stage = f"limit_{split}_batches", {"val": "validation", "test": "test"}[split]
+    limit = getattr(trainer, name)
+    world = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)  # under sharding, the data ranks
+    if world < 2 or not limit or (isinstance(limit, float) and limit >= 1.0):
+        return []
+    loaders = getattr(trainer, f"{split}_dataloaders")
+    flat = CombinedLoader(loaders).flattened if loaders is not None else [None]  # None: not built yet
+    notes = []
+    for i, loader in enumerate(flat):
+        where = f"{split} loader {i}: " if len(flat) > 1 else ""
+        sampler, size = getattr(loader, "sampler", None), getattr(loader, "batch_size", None)
+        if not isinstance(sampler, ResumableSampler) or not size:
+            notes.append(
+                f"{where}{name} {limit} applies per rank: each of the {world} ranks cuts its own share of the "
+                f"{stage} samples, so its values may not be one process's"
+            )
+            continue
+        shares = _shares(sampler)
+        cut = per_rank_limit(limit, shares, sampler.total, size, bool(loader.drop_last))
+        if cut is not None:
+            (batches, samples), (one_batches, one_samples) = cut
+            than = f"where one process evaluates {one_batches} ({one_samples})"
+            than = than if samples != one_samples else f"not the {one_samples} one process evaluates"
+            notes.append(
+                f"{where}{name} {limit} applies per rank: {len(shares)} ranks evaluate {batches} batches "
+                f"({samples} samples) a {stage} {than}, so its values are not one process's"
+            )
+    return notes
+
+
+def per_rank_limit(
+    limit: int | float, shares: list[int], total: int, batch_size: int, drop_last: bool
+) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """What Lightning's ``limit_*_batches`` (an int: batches; a float: a fraction of them, rounded down), applied to
+    each rank's own batches, leaves of an evaluation of ``total`` samples whose order the engine splits as rank ``r``
+    of ``W = len(shares)`` taking its positions ``r, r + W, ...`` (``shares[r]`` of them): ``((batches, samples) of
+    the W ranks, (batches, samples) of one process)``, or ``None`` where the W ranks evaluate the very samples one
+    process does (the first ones of the order)."""
+
+    def cut(samples: int) -> tuple[int, int]:
+        batches = samples // batch_size if drop_last else -(-samples // batch_size)
+        kept = min(batches, limit) if isinstance(limit, int) else int(batches * limit)  # Lightning's rule
+        return kept, min(kept * batch_size, samples)
+
+    world, ranks, one = len(shares), [cut(share) for share in shares], cut(total)
+    # the first one[1] positions, each on exactly one rank: rank r's are those r + W * j below one[1]
+    if all(samples == len(range(r, one[1], world)) for r, (_, samples) in enumerate(ranks)):
+        return None
+    return (sum(batches for batches, _ in ranks), sum(samples for _, samples in ranks)), one
+
+
+def _shares(sampler: ResumableSampler) -> list[int]:
+    """The samples of each rank's share, as ``ResumableSampler`` splits its order."""
+    world = sampler.num_replicas
+    if sampler.drop_last:
+        return [sampler.total // world] * world
+    if sampler.pad:
+        return [sampler.num_samples] * world
+    return [len(range(r, sampler.total, world)) for r in range(world)]
 
 
 def speed_switches(trainer: L.Trainer, switches: list[SpeedSwitch]) -> str:

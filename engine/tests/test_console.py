@@ -153,6 +153,11 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
         ("CrashAt", 10, 1, r"rank 1 raised RuntimeError: injected crash", 8),
         ("KillAt", 14, 0, r"rank 0 was killed by a signal \(kill -9, or out of memory\)", 12),
     ]
+    # limit_val_batches 1 on 2 ranks: 2 batches where one process evaluates 1 (named; steadfast.guarantees)
+    per_rank_limit = (
+        "limit_val_batches 1 applies per rank: 2 ranks evaluate 2 batches (128 samples) a validation where one "
+        "process evaluates 1 (64), so its values are not one process's"
+    )
     # what --ckpt_path last picks: the newest file, the best-3 file of that epoch's end or (every 2 epochs) the
     # epoch00N.ckpt of the same step
     newest = rf"runs/{RUN_NAME}/version_0/checkpoints/(?:best-epoch\d{{3}}-step\d+|epoch\d{{3}})\.ckpt"
@@ -179,14 +184,14 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
         assert "pair.cc" not in out and "Connection reset" not in out, out[-3000:]  # no gloo traceback wall
         start = "(fresh)" if resumed_from is None else f"(continues from step {resumed_from} of {last})"
         # a resume from an epoch's end (4 steps of 2 x 64 samples): the next epoch's first batch, as recorded
-        exact = "yes, also mid-epoch (each resume checks its first batch)" if resumed_from is None else (
+        exact = "see opts out" if resumed_from is None else (
             f"resume verified (epoch {resumed_from // 4}, batch 0: 128 samples on 2 rank(s), those the checkpoint's "
-            "run would have trained next)")  # fmt: skip
+            "run would have trained next); see opts out")  # fmt: skip
         lines = console_lines(proc.stdout) + console_lines(proc.stderr)
         expected = [
             "`Trainer(limit_val_batches=1)` was configured so 1 batch will be used.",
             f"Run runs/{RUN_NAME}/version_0 {start} | 2 x cpu | exact resume: {exact}"
-            f" | logs: ThrottledTensorBoardLogger{SPEED}",
+            f" | logs: ThrottledTensorBoardLogger | opts out: {per_rank_limit}{SPEED}",
         ]
         if resumed_from is not None:
             expected.insert(0, f"--ckpt_path last: resuming from {last} (global step {resumed_from})")
