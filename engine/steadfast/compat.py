@@ -41,7 +41,10 @@ attribute, on a Lightning version where one changed.
   (``rescale_batch_progress``, ``steadfast.resume``).
 - ``fit_loop.restarting``, still set at the end of the epoch a mid-epoch resume lands in, where ``FitLoop`` skips
   the ``ReduceLROnPlateau`` step; cleared there once the monitored values are back
-  (``step_the_plateau_schedulers_of_a_resumed_epoch``, ``steadfast.monitored_values``).
+  (``step_the_plateau_schedulers_of_a_resumed_epoch``, ``steadfast.monitored_values``); ``epoch_progress``,
+  ``epoch_loop._num_ready_batches_reached`` and ``epoch_loop.update_lr_schedulers``: a checkpoint saved at an
+  epoch's end, before that step, and the step taken on its resume (``plateau_step_pending``,
+  ``step_the_plateau_schedulers``).
 - ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume from an epoch's last batch end
   (``start_the_epoch_lightning_skipped``, ``steadfast.resume``).
 - ``ModelCheckpoint.file_exists`` replaced on an instance, so that a save still being written counts as a file
@@ -264,6 +267,28 @@ def step_the_plateau_schedulers_of_a_resumed_epoch(trainer: L.Trainer) -> None:
             loop.restarting = False  # Lightning's setter: its child loops too; all are past their restart here
     except AttributeError as error:
         raise LightningChanged(f"fit_loop has no {error.name}") from None
+
+
+def plateau_step_pending(trainer: L.Trainer) -> bool:
+    """Whether this point lies between an epoch's end hooks and Lightning's ``ReduceLROnPlateau`` step after them
+    (``fit_loop.epoch_progress.current``: processed, not completed; ``epoch_loop._num_ready_batches_reached()``, the
+    condition of that step): a checkpoint saved here (a ``ModelCheckpoint`` at ``on_train_epoch_end``, the default
+    with validation every epoch) holds the plateau schedulers before their step of this epoch."""
+    try:
+        loop = trainer.fit_loop
+        progress = loop.epoch_progress.current
+        return progress.processed > progress.completed and loop.epoch_loop._num_ready_batches_reached()
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop has no {error.name}") from None
+
+
+def step_the_plateau_schedulers(trainer: L.Trainer) -> None:
+    """The ``ReduceLROnPlateau`` step of an epoch's end, as ``FitLoop.on_advance_end`` takes it
+    (``epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=True)``, by ``trainer.callback_metrics``)."""
+    try:
+        trainer.fit_loop.epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=True)
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
 
 
 def batches_begun(trainer: L.Trainer) -> int:

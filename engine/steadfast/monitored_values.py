@@ -5,10 +5,12 @@ Lightning does not save them: a resumed run starts with none, until its next val
 of the user's that saves every N steps by a validation metric skips each save before that validation (the
 uninterrupted run saved and scored it: another best file, another summary, another ``--ckpt_path best``), and
 Lightning does not step a ``ReduceLROnPlateau`` at the end of the epoch a mid-epoch resume lands in ("metrics are
-not saved in the checkpoint", ``FitLoop.on_advance_end``): its LR halves an epoch late. Here each checkpoint keeps
+not saved in the checkpoint", ``FitLoop.on_advance_end``), nor after an epoch-end checkpoint (a ``ModelCheckpoint``
+saves at ``on_train_epoch_end``, before that step): its LR is reduced an epoch late. Here each checkpoint keeps
 rank 0's values (the file rank 0 writes; a monitored value is the same on every rank when logged with
 ``sync_dist`` or a torchmetrics ``Metric``), a resume sets them again before its first batch, and the plateau
-step of that epoch is Lightning's own, once the values are back. (Lightning #18595; docs/upstream.md.)
+step of that epoch is Lightning's own, once the values are back; a checkpoint saved before its epoch's plateau
+step says so, and the resume takes that step first. (Lightning #18595; docs/upstream.md.)
 """
 
 from typing import Any
@@ -17,7 +19,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from steadfast.compat import step_the_plateau_schedulers_of_a_resumed_epoch
+from steadfast.compat import (
+    plateau_step_pending,
+    step_the_plateau_schedulers,
+    step_the_plateau_schedulers_of_a_resumed_epoch,
+)
 
 
 class MonitoredValues(Callback):
@@ -27,6 +33,7 @@ class MonitoredValues(Callback):
     def __init__(self) -> None:
         self._trainer: L.Trainer | None = None
         self._saved: dict[str, torch.Tensor] | None = None  # loaded from the checkpoint resumed from
+        self._pending = False  # that checkpoint was saved at an epoch's end, before its plateau step
         self._resumed = False  # this fit's values came back: its first epoch's end may step the plateau schedulers
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -42,10 +49,11 @@ class MonitoredValues(Callback):
                 value = torch.tensor(value)
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 values[key] = value.detach().cpu().clone()
-        return {"values": values}
+        return {"values": values, "plateau_pending": plateau_step_pending(trainer)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._saved = state_dict.get("values")
+        self._pending = bool(state_dict.get("plateau_pending"))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         saved, self._saved = self._saved, None
@@ -56,6 +64,12 @@ class MonitoredValues(Callback):
         for key, value in saved.items():
             current.setdefault(key, value.to(device))
         self._resumed = True
+        # the step the checkpoint's run took right after saving it: Lightning's own, which counts epochs from this
+        # one (one later), so only where every plateau steps each epoch (frequency 1, the default)
+        plateaus = [c for c in trainer.lr_scheduler_configs if c.reduce_on_plateau and c.interval == "epoch"]
+        if self._pending and all(c.frequency == 1 for c in plateaus):
+            step_the_plateau_schedulers(trainer)
+        self._pending = False
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Before the monitoring callbacks' and the loop's own epoch end: Lightning then steps the plateau schedulers

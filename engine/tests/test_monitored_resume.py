@@ -11,11 +11,11 @@ from tests.helpers import QUIET, cli, run_dirs
 pytestmark = pytest.mark.slow
 
 # 6 steps an epoch, 4 epochs; validation after steps 6, 12, 18, 24; a file by val_mse every 3 steps, all kept
-ARGS = [*QUIET, "--model", "tests.fixtures.kinds.PlateauRegress", "--data", "tests.fixtures.kinds.KindData",
+BASE = [*QUIET, "--model", "tests.fixtures.kinds.PlateauRegress", "--data", "tests.fixtures.kinds.KindData",
         "--data.as_dict", "true", "--trainer.max_epochs", "4", "--run.monitor", "null",
         "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.monitor=val_mse",
-        "--trainer.callbacks.every_n_train_steps=3", "--trainer.callbacks.save_top_k=-1",
-        "--trainer.callbacks.filename={step}"]  # fmt: skip
+        "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}"]  # fmt: skip
+ARGS = [*BASE, "--trainer.callbacks.every_n_train_steps=3"]
 
 
 def scored(run) -> dict[str, float]:
@@ -50,3 +50,31 @@ def test_a_resume_keeps_the_files_scores_and_plateau_lr_of_a_monitor_between_val
     delta = max((got["state_dict"][k] - v).abs().max().item() for k, v in want["state_dict"].items())
     print(f"files {sorted(scored(run))} | lr {lr} | max |delta| {delta}")
     assert delta == 0.0
+
+
+def test_a_resume_from_an_epoch_end_checkpoint_takes_the_plateau_step_its_run_took_after_saving_it(tmp_path):
+    """A ModelCheckpoint by val_mse saves at each train epoch's end (Lightning's default with validation every
+    epoch), before Lightning's plateau step of that epoch: resumed from it, the LR is the uninterrupted run's."""
+    every_epoch = [*BASE, "--trainer.callbacks.save_last=true"]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir(), resumed.mkdir()
+    cli("fit", *every_epoch, cwd=reference)
+    (ref_run,) = run_dirs(reference, "kind")
+    want = torch.load(ref_run / "checkpoints" / "last.ckpt", weights_only=True)
+
+    killed = cli("fit", *every_epoch, *kill_at(8, settle=True), cwd=resumed, check=False)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    (run,) = run_dirs(resumed, "kind")
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    epochs = saved["loops"]["fit_loop"]["epoch_progress"]["current"]
+    assert saved["global_step"] == 6 and epochs["processed"] == epochs["completed"] + 1, (
+        "precondition: last.ckpt was saved at epoch 0's end, before its plateau step",
+        saved["global_step"],
+        epochs,
+    )
+    cli("fit", *every_epoch, "--ckpt_path", "last", cwd=resumed)
+    got = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    lr = [g["lr"] for g in got["optimizer_states"][0]["param_groups"]]
+    assert lr == [g["lr"] for g in want["optimizer_states"][0]["param_groups"]] == [0.05 / 2**4], lr
+    delta = max((got["state_dict"][k] - v).abs().max().item() for k, v in want["state_dict"].items())
+    assert delta == 0.0 and scored(run) == scored(ref_run), (delta, scored(run), scored(ref_run))
