@@ -15,6 +15,10 @@ tests/test_compat.py fails, naming the attribute, on a Lightning version where o
   (``weigh_synced_means_by_samples``, installed for a run by ``steadfast.run_scope``; Lightning issue #21859).
 - A logger's ``log_metrics`` replaced on an instance (``replace_log_metrics``, ``steadfast.loggers.StepGate``);
   ``TensorBoardLogger._experiment``, whether its writer was ever opened (``experiment_opened``).
+- ``_EvaluationLoop._seen_batches_per_dataloader`` of the fit's validation loop: the step Lightning logs a
+  ``validation_step`` value logged with ``on_step=True`` at (its count of the validation batches this process ran),
+  saved in a checkpoint and set again at a resumed fit's first validation (``evaluation_logging_steps``,
+  ``continue_evaluation_logging_steps``, ``steadfast.run_folder``): Lightning starts it at 0 in every process.
 
 On a layout these functions do not know they raise ``LightningChanged`` (``steadfast.compat``).
 """
@@ -263,3 +267,21 @@ def experiment_opened(logger: Any) -> bool:
     if "_experiment" not in vars(logger):
         raise LightningChanged("TensorBoardLogger._experiment is gone")
     return logger._experiment is not None
+
+
+def evaluation_logging_steps(trainer: Any) -> dict[int, int]:
+    """Per validation loader, the step of the next ``on_step`` value a fit's validation logs."""
+    try:
+        return dict(trainer.fit_loop.epoch_loop.val_loop._seen_batches_per_dataloader)
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop.val_loop has no {error.name}") from None
+
+
+def continue_evaluation_logging_steps(trainer: Any, steps: dict[int, int]) -> None:
+    """Sets them (``evaluation_logging_steps`` of a checkpoint) on this fit's validation loop. Call it at the start
+    of a validation, after the loop set up its loaders (which starts the count at 0)."""
+    try:
+        seen = trainer.fit_loop.epoch_loop.val_loop._seen_batches_per_dataloader
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop.val_loop has no {error.name}") from None
+    seen.update({int(k): int(v) for k, v in steps.items()})

@@ -8,6 +8,7 @@ from typing import Any
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from steadfast.compat import logging_step
 from steadfast.compat_logging import experiment_opened, replace_log_metrics
 
 
@@ -122,27 +123,42 @@ class StepGate:
     - ``hold`` (loggers that cannot drop points: MLflow, W&B): values wait and only those of steps before the last
       checkpoint's go out (``release``), so a killed run never hands over a step its resume logs again. What such a
       logger shows lags by up to one checkpoint interval.
+    - A value logged while ``trainer`` validates takes the place of the training step the validation runs at
+      (``place``), whatever step it is logged at: Lightning logs a ``validation_step`` value logged with
+      ``on_step=True`` at its count of the evaluation batches this process ran, from 0, not at a training step (a
+      resumed run's were below ``resumed_at``, all dropped). Dropped, held and handed over as that training
+      step's values are, in the order they came. Without a ``trainer`` every value is of the step it is logged at.
     """
 
-    def __init__(self, logger: Any, resumed_at: int, hold: bool) -> None:
+    def __init__(self, logger: Any, resumed_at: int, hold: bool, trainer: Any = None) -> None:
         self.logger, self.log_metrics = logger, replace_log_metrics(logger, self.gate)
-        self.resumed_at, self.hold = resumed_at, hold
-        self.pending: list[tuple[dict[str, float], int | None]] = []
+        self.resumed_at, self.hold, self.trainer = resumed_at, hold, trainer
+        self.pending: list[tuple[dict[str, float], int | None, int | None]] = []  # (metrics, step, place)
+
+    def place(self, step: int | None) -> int | None:
+        """The training step a value logged now at ``step`` belongs to: during a validation (or the sanity check),
+        the one the validation runs at, Lightning's logging step (its epoch-end values' step too); else ``step``."""
+        trainer = self.trainer
+        if trainer is not None and (trainer.validating or trainer.sanity_checking):
+            return logging_step(trainer)
+        return step
 
     def gate(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        if step is not None and step < self.resumed_at:
+        place = self.place(step)
+        if place is not None and place < self.resumed_at:
             return
         if self.hold:
-            self.pending.append((dict(metrics), step))
+            self.pending.append((dict(metrics), step, place))
         else:
             self.log_metrics(metrics, step)
 
     def release(self, before: int | None = None) -> None:
-        """Hands over the held values of steps < ``before`` (all of them when ``None``), in order."""
-        later = [before is not None and s is not None and s >= before for _, s in self.pending]
+        """Hands over the held values of steps < ``before`` (all of them when ``None``), in order; a value logged
+        during a validation counts as of the step the validation ran at (``place``)."""
+        later = [before is not None and place is not None and place >= before for *_, place in self.pending]
         out = [item for item, keep in zip(self.pending, later, strict=True) if not keep]
         self.pending = [item for item, keep in zip(self.pending, later, strict=True) if keep]
-        for metrics, step in out:
+        for metrics, step, _ in out:
             self.log_metrics(metrics, step)
         if out:
             self.logger.save()

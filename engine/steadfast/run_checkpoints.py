@@ -21,6 +21,7 @@ class ResumeError(ValueError):
 # The first logging step a resumed run writes, saved by steadfast.run_folder.RunFolder (absent from the
 # checkpoints of other programs and older versions: then the global step, which it equals with one optimizer)
 NEXT_LOGGING_STEP = "next_logging_step"
+EVALUATION_LOGGING_STEPS = "evaluation_logging_steps"  # steadfast.run_folder
 
 
 def read_positions(path: Path) -> tuple[int, int]:

@@ -14,8 +14,9 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from steadfast.compat import logging_step
+from steadfast.compat_logging import continue_evaluation_logging_steps, evaluation_logging_steps
 from steadfast.loggers import StepGate
-from steadfast.run_checkpoints import NEXT_LOGGING_STEP
+from steadfast.run_checkpoints import EVALUATION_LOGGING_STEPS, NEXT_LOGGING_STEP
 from steadfast.run_loggers import write_record
 from steadfast.runs import RunPlan
 
@@ -39,6 +40,7 @@ class RunFolder(Callback):
         self._release_at_next_batch = False
         self._batch_start: tuple[int, int] | None = None  # (logging step, global step) as the batch began
         self.trained = False  # a training batch of this invocation ended: a failure after it keeps the folder
+        self._evaluation_steps: dict[int, int] | None = None  # a checkpoint's, for the resumed fit's validation
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.dir = Path(trainer.strategy.broadcast(str(self.plan.dir)))
@@ -48,7 +50,9 @@ class RunFolder(Callback):
         if stage == "fit" and trainer.is_global_zero:
             resumed_at = self.plan.log_step if self.plan.continues else 0
             self._gates = [
-                StepGate(logger, resumed_at, hold=not isinstance(logger, (TensorBoardLogger, CSVLogger)))
+                StepGate(
+                    logger, resumed_at, hold=not isinstance(logger, (TensorBoardLogger, CSVLogger)), trainer=trainer
+                )
                 for logger in trainer.loggers
                 if not isinstance(logger, DummyLogger)
             ]
@@ -61,6 +65,8 @@ class RunFolder(Callback):
         # Which logged steps the checkpoint covers: the resumed run logs from the next one on. Loggers get
         # Lightning's logging step, which counts batches, not optimizer steps (two optimizers: half global_step).
         checkpoint[NEXT_LOGGING_STEP] = self._checkpoint_step = self._next_logging_step(trainer, pl_module)
+        if trainer.state.fn == "fit":
+            checkpoint[EVALUATION_LOGGING_STEPS] = evaluation_logging_steps(trainer)
         self._release()
         self._release_at_next_batch = True
 
@@ -73,6 +79,16 @@ class RunFolder(Callback):
             return now
         stepped = not pl_module.automatic_optimization or trainer.global_step > self._batch_start[1]
         return now + stepped
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self._evaluation_steps = checkpoint.get(EVALUATION_LOGGING_STEPS) if trainer.state.fn == "fit" else None
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A validation_step value logged with on_step=True goes to the loggers at Lightning's count of this process's
+        # validation batches: a resumed fit continues the count, rather than log at the steps of the first ones
+        if self._evaluation_steps and not trainer.sanity_checking:
+            continue_evaluation_logging_steps(trainer, self._evaluation_steps)
+            self._evaluation_steps = None
 
     def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
         self._batch_start = (logging_step(trainer), trainer.global_step)

@@ -1051,3 +1051,46 @@ def test_lightning_skips_the_plateau_step_of_a_resumed_epoch_and_the_engine_lets
     assert torch.load(mid_epoch, weights_only=True)["epoch"] == 1
     assert fit(ckpt=mid_epoch) == pytest.approx(0.025)  # Lightning: epoch 1's end not stepped
     assert fit(Step(), ckpt=mid_epoch) == pytest.approx(0.0125)
+
+
+def test_validation_loop_seen_batches_per_dataloader_is_the_step_of_on_step_validation_values(tmp_path):
+    """``evaluation_logging_steps``: Lightning logs a ``validation_step`` value logged with ``on_step=True`` at its
+    count of this process's validation batches (over the whole fit, not the sanity check's), and
+    ``continue_evaluation_logging_steps`` at a validation's start moves where the next ones go."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.loggers.logger import Logger
+
+    from steadfast.compat_logging import continue_evaluation_logging_steps, evaluation_logging_steps
+
+    class Record(Logger):
+        name, version = "record", 0
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps: list[int] = []
+
+        def log_metrics(self, metrics, step=None) -> None:
+            self.steps += [step for key in metrics if key == "v_step"]
+
+        def log_hyperparams(self, params, *args, **kwargs) -> None:
+            pass
+
+    class Module(BoringModel):
+        def validation_step(self, batch, batch_idx):
+            self.log("v", self.step(batch), on_step=True, on_epoch=True)
+
+    class Continue(L.Callback):
+        def on_validation_start(self, trainer, pl_module):
+            if not trainer.sanity_checking and trainer.current_epoch == 0:
+                continue_evaluation_logging_steps(trainer, {0: 10})
+
+    def fit(*more: L.Callback) -> tuple[list[int], dict[int, int]]:
+        record = Record()
+        trainer = L.Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=2, logger=record,
+                            callbacks=list(more), enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, log_every_n_steps=1)  # fmt: skip
+        trainer.fit(Module())
+        return record.steps, evaluation_logging_steps(trainer)
+
+    assert fit() == ([0, 1, 2, 3], {0: 4})
+    assert fit(Continue()) == ([10, 11, 12, 13], {0: 14})
