@@ -130,7 +130,8 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize(
     ("kill", "resumed_at"),
     [
-        (11, 10),  # the newest checkpoint is step 10's, from the validation at step 9 (the epoch's end)
+        # the newest checkpoint is step 10's, from the validation at step 9 (the epoch's end); CI and make test-all
+        pytest.param(11, 10, marks=pytest.mark.long),
         (13, 12),  # the newest is step 12's, the user's, mid-epoch (the engine's exact mid-epoch resume)
     ],
 )
@@ -156,7 +157,7 @@ def test_a_resumed_run_logs_every_validation_batch_value_once(kill, resumed_at, 
             assert [v for _, v in got[key]] == pytest.approx([v for _, v in want[key]], abs=1e-6), f"{name}: {key}"
 
 
-@pytest.mark.slow
+@pytest.mark.long  # CI and make test-all: the held path, once more end to end
 def test_a_logger_that_cannot_drop_points_gets_every_validation_batch_value_once(uninterrupted, tmp_path):
     """MLflow (held until each checkpoint): killed at step 11, resumed from step 10's checkpoint, the run holds the 9
     validation batch values and each training step once; the values are the uninterrupted run's."""

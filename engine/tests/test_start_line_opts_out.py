@@ -69,9 +69,9 @@ NAMED_PER_RANK = [
     ("fit", ["--trainer.limit_val_batches", "2"],
      "limit_val_batches 2 applies per rank: 2 ranks evaluate 4 batches (256 samples) a validation where one process "
      "evaluates 2 (128), so its values are not one process's"),
-    ("test", ["--trainer.limit_test_batches", "0.7"],
-     "limit_test_batches 0.7 applies per rank: 2 ranks evaluate 4 batches (256 samples) a test where one process "
-     "evaluates 3 (192), so its values are not one process's"),
+    pytest.param("test", ["--trainer.limit_test_batches", "0.7"],
+                 "limit_test_batches 0.7 applies per rank: 2 ranks evaluate 4 batches (256 samples) a test where one "
+                 "process evaluates 3 (192), so its values are not one process's", marks=pytest.mark.long),
     pytest.param("validate", ["--trainer.limit_val_batches", "2"],
                  "limit_val_batches 2 applies per rank: 2 ranks evaluate 4 batches (256 samples) a validation where "
                  "one process evaluates 2 (128), so its values are not one process's", marks=pytest.mark.long),
