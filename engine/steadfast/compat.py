@@ -39,6 +39,8 @@ attribute, on a Lightning version where one changed.
 - The fit loop's live micro-batch counters (``fit_loop.epoch_loop.batch_progress``: ``current`` and ``total``, each
   ``ready``/``started``/``processed``/``completed``), rescaled on a resume on another number of ranks
   (``rescale_batch_progress``, ``steadfast.resume``).
+- ``fit_loop._combined_loader._mode``: several train loaders cycled (``max_size_cycle``), whose shorter one that ran
+  out at a save trains next on its epoch's first batch again (``train_loaders_cycle``, ``steadfast.next_batch``).
 - ``fit_loop.restarting``, still set at the end of the epoch a mid-epoch resume lands in, where ``FitLoop`` skips
   the ``ReduceLROnPlateau`` step; cleared there once the monitored values are back
   (``step_the_plateau_schedulers_of_a_resumed_epoch``, ``steadfast.monitored_values``); ``epoch_progress``,
@@ -289,6 +291,17 @@ def step_the_plateau_schedulers(trainer: L.Trainer) -> None:
         trainer.fit_loop.epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=True)
     except AttributeError as error:
         raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
+
+
+def train_loaders_cycle(trainer: L.Trainer) -> bool:
+    """Whether the fit combines several train loaders in ``max_size_cycle`` mode (``fit_loop._combined_loader._mode``:
+    a dict or list a hook returns, or a ``CombinedLoader`` of that mode), where a shorter loader that runs out is
+    iterated again, in the same epoch's order, until the longest ends."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", LightningChanged)
+    mode = getattr(combined, "_mode", LightningChanged) if combined is not None else None
+    if combined is LightningChanged or mode is LightningChanged:
+        raise LightningChanged("fit_loop._combined_loader._mode is gone")
+    return mode == "max_size_cycle" and len(combined.flattened) > 1
 
 
 def batches_begun(trainer: L.Trainer) -> int:

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, IterableDataset
 
 from steadfast import batch_fingerprint as fp
+from steadfast.compat import train_loaders_cycle
 from steadfast.loaders import ResumableDataLoader, ResumableSampler
 from steadfast.own_orders import OwnOrder
 from steadfast.own_positions import OwnPosition
@@ -32,8 +33,9 @@ def record(trainer: L.Trainer) -> list[Any]:
         state = loader.state_dict()
         epoch, batches = state["epoch"], state["batches"]
         n = fp.batch_size(loader)
-        if batches >= min(len(loader), trainer.num_training_batches):  # the epoch is over: the next one's first
-            epoch, batches = epoch + 1, 0
+        if batches >= min(len(loader), trainer.num_training_batches):  # it ran out: its next batch is a first one
+            # of the next epoch, or, a shorter one of cycled loaders while the epoch goes on, of this one again
+            epoch, batches = epoch + (not _cycled_in_this_epoch(trainer, loader)), 0
         cached = loader.next_batch
         if cached is None or cached[0] != (epoch, batches):
             keys = fp.keys(loader.sampler, epoch, batches * n, n)
@@ -157,6 +159,18 @@ def _other_values(a: dict, b: dict, world_then: int, world_now: int, which: str)
 def _train_loaders(trainer: L.Trainer) -> list[Any]:
     loaders = trainer.train_dataloader
     return CombinedLoader(loaders).flattened if loaders is not None else []
+
+
+def _cycled_in_this_epoch(trainer: L.Trainer, loader: Any) -> bool:
+    """Whether ``loader``, which ran out, is iterated again before its epoch ends: a shorter one of train loaders
+    Lightning cycles (``max_size_cycle``, its default for a dict or list), while a longer one has batches left."""
+    if len(loader) >= trainer.num_training_batches or not train_loaders_cycle(trainer):
+        return False
+    longer = [other for other in _train_loaders(trainer) if len(other) >= trainer.num_training_batches]
+    return any(
+        isinstance(other, ResumableDataLoader) and other.state_dict()["batches"] < trainer.num_training_batches
+        for other in longer
+    )
 
 
 def _own_position_checked(trainer: L.Trainer, loader: Any) -> tuple[str, str] | None:

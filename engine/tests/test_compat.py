@@ -1094,3 +1094,37 @@ def test_validation_loop_seen_batches_per_dataloader_is_the_step_of_on_step_vali
 
     assert fit() == ([0, 1, 2, 3], {0: 4})
     assert fit(Continue()) == ([10, 11, 12, 13], {0: 14})
+
+
+def test_fit_loop_combined_loader_mode_says_whether_several_train_loaders_are_cycled(tmp_path):
+    """``train_loaders_cycle``: a dict of train loaders is combined in ``max_size_cycle`` mode (the shorter iterated
+    again until the longest ends); a ``CombinedLoader`` of another mode, or one loader, is not cycled."""
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from lightning.pytorch.utilities import CombinedLoader
+    from torch.utils.data import DataLoader
+
+    from steadfast.compat import train_loaders_cycle
+
+    class Module(BoringModel):
+        def __init__(self, loaders) -> None:
+            super().__init__()
+            self.loaders, self.seen = loaders, None
+
+        def train_dataloader(self):
+            return self.loaders
+
+        def training_step(self, batch, batch_idx):
+            self.seen = train_loaders_cycle(self.trainer)
+            first = batch["a"] if isinstance(batch, dict) else batch
+            return super().training_step(first, batch_idx)
+
+    def cycled(loaders) -> bool:
+        module = Module(loaders)
+        L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, limit_val_batches=0).fit(module)  # fmt: skip
+        return module.seen
+
+    two = {"a": DataLoader(RandomDataset(32, 16), batch_size=4), "b": DataLoader(RandomDataset(32, 8), batch_size=4)}
+    assert cycled(two) is True
+    assert cycled(CombinedLoader(two, mode="max_size")) is False
+    assert cycled(DataLoader(RandomDataset(32, 16), batch_size=4)) is False

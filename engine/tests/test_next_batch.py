@@ -139,3 +139,27 @@ def test_a_stream_resumed_without_a_fingerprint_of_the_batch_fetched_ahead_says_
             "batch fetched ahead, so there is none to compare its first batch with"
         ), words
         assert "had fetched no batch ahead" not in words, words
+
+
+def test_a_shorter_cycled_train_loader_that_ran_out_at_the_save_is_verified_at_its_epochs_first_batch(tmp_path, capsys):
+    """Two train loaders (a dict: Lightning's ``max_size_cycle``), the shorter of 3 batches out at the save of step 3
+    while the epoch goes on: Lightning iterates it again in the same epoch's order, so its next batch is its epoch's
+    first, not the next epoch's (which a resume once called ``no, data order``); the resume is exact."""
+    args = [*QUIET, "--model", "tests.fixtures.kinds.TwoTrainRegress", "--data", "tests.fixtures.kinds.TwoTrainData",
+            "--trainer.max_epochs", "2", "--run.monitor", "null", "--trainer.callbacks+=ModelCheckpoint",
+            "--trainer.callbacks.every_n_train_steps=3", "--trainer.callbacks.save_top_k=0",
+            "--trainer.callbacks.save_last=true", "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+    cli_in_process("fit", *args, root=tmp_path / "reference")
+    crashed_then_resumed(tmp_path / "resumed", args, step=4)
+    line = resumed_start_line(capsys.readouterr().out)
+    assert "(continues from step 3 of" in line, line  # precondition: loader b had yielded its 3 batches
+    assert (
+        "exact resume: resume verified (epoch 0, batch 3: 8 samples on 1 rank(s), those the checkpoint's run would "
+        "have trained next); resume verified (epoch 0, batch 0: 8 samples on 1 rank(s), those the checkpoint's run "
+        "would have trained next) | logs:" in line
+    ), line
+    (want,) = (tmp_path / "reference").glob("two_train/version_*/checkpoints/last.ckpt")
+    (got,) = (tmp_path / "resumed").glob("two_train/version_*/checkpoints/last.ckpt")
+    want, got = torch.load(want, weights_only=True), torch.load(got, weights_only=True)
+    assert got["global_step"] == want["global_step"] == 12
+    assert all(torch.equal(got["state_dict"][k], v) for k, v in want["state_dict"].items())
