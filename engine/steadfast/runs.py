@@ -136,13 +136,31 @@ def default_name(data_class_path: str | None) -> str:
     return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", name).lower() or "runs"
 
 
+def runs_root(config: Namespace) -> Path:
+    """``run.root``, or Lightning's ``trainer.default_root_dir`` where a config gives that one instead: runs go
+    under it, as Lightning's habit says. A run folder there (``.../<name>/version_N``) is the engine's own, written
+    into each run's ``config.yaml``: a config read back from a run starts its family's next version, not one inside.
+    """
+    runs = config.get("run") or Namespace(root="runs", name=None)
+    trainer = config.get("trainer")
+    given = trainer.get("default_root_dir") if isinstance(trainer, Namespace) else None
+    if not given or re.fullmatch(r"version_\d+", Path(given).name):
+        return Path(runs.root)
+    if runs.root != "runs" and Path(runs.root) != Path(given):
+        raise ValueError(
+            f"run.root {runs.root} and trainer.default_root_dir {given} both say where runs go: give one of them"
+        )
+    return Path(given)
+
+
 def family_dir(config: Namespace) -> Path:
     runs = config.get("run") or Namespace(root="runs", name=None)
+    root = runs_root(config)
     data, model = config.get("data"), config.get("model")
     data_class = data.get("class_path") if isinstance(data, Namespace) else None
     model_class = model.get("class_path") if isinstance(model, Namespace) else None
-    family = Path(runs.root) / (runs.name or default_name(data_class or model_class))
-    legacy = Path(runs.root) / default_name(None)  # where 1.1.0 and before filed a model that brings its own data
+    family = root / (runs.name or default_name(data_class or model_class))
+    legacy = root / default_name(None)  # where 1.1.0 and before filed a model that brings its own data
     if not runs.name and not data_class and model_class and legacy.is_dir() and not family.exists():
         return legacy  # its runs stay one family: --ckpt_path last still finds them
     return family
@@ -205,6 +223,8 @@ def plan_run(config: Namespace, subcommand: str) -> RunPlan:
     """
     family = family_dir(config)
     check_save_dir(family)
+    if isinstance(config.get("run"), Namespace):  # the run's config.yaml names its family's root, however given
+        config["run"]["root"] = str(family.parent)
     ckpt_path = config.get("ckpt_path")
     if ckpt_path is None or ckpt_path in ("hpc", "registry"):
         return new_version(family)

@@ -8,7 +8,7 @@ import torch
 from jsonargparse import Namespace
 
 from steadfast.runs import default_name, family_dir, plan_run
-from tests.helpers import RUN_NAME
+from tests.helpers import RUN_NAME, cli
 
 
 @pytest.mark.parametrize(
@@ -33,6 +33,30 @@ def test_runs_filed_under_runs_by_an_older_engine_stay_one_family(tmp_path):
     assert family_dir(own) == tmp_path / "runs"
     (tmp_path / "lightning_transformer").mkdir()  # once the new family exists, it is the one
     assert family_dir(own) == tmp_path / "lightning_transformer"
+
+
+def test_lightnings_default_root_dir_is_where_runs_go_unless_it_is_a_run_folder_read_back_from_its_config():
+    def family(root: str = "runs", given: str | None = None) -> Path:
+        return family_dir(Namespace(run=Namespace(root=root, name=None), data=Namespace(class_path="p.BlobsData"),
+                                    trainer=Namespace(default_root_dir=given)))  # fmt: skip
+
+    assert family() == Path("runs") / "blobs"
+    assert family(given="/scratch/exp") == Path("/scratch/exp") / "blobs"  # as Lightning's Trainer would place it
+    assert family(given="out/blobs/version_3") == Path("runs") / "blobs"  # a run's config.yaml: the engine wrote it
+    assert family(root="/scratch/exp", given="/scratch/exp") == Path("/scratch/exp") / "blobs"
+    with pytest.raises(ValueError, match=r"^run.root elsewhere and trainer.default_root_dir /scratch/exp both say"):
+        family(root="elsewhere", given="/scratch/exp")
+
+
+@pytest.mark.slow
+def test_a_fit_with_default_root_dir_runs_there_and_its_saved_config_starts_the_next_version_beside_it(tmp_path):
+    short = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
+    proc = cli("fit", *short, "--trainer.default_root_dir", "my_outputs", cwd=tmp_path)
+    run = tmp_path / "my_outputs" / RUN_NAME / "version_0"
+    assert (run / "checkpoints" / "last.ckpt").is_file() and not (tmp_path / "runs").exists(), proc.stdout[-2000:]
+    assert f"Run my_outputs/{RUN_NAME}/version_0 (fresh)" in proc.stdout
+    cli("fit", "--config", str(run / "config.yaml"), cwd=tmp_path)  # its default_root_dir: the run folder
+    assert (tmp_path / "my_outputs" / RUN_NAME / "version_1" / "checkpoints" / "last.ckpt").is_file()
 
 
 def config(root, ckpt_path=None):
