@@ -4,6 +4,7 @@ copies as a unit (a new version).
 What it guarantees, and what user code does to get each guarantee:
 
 - **Run folder** (``runs``, ``run_folder``): every invocation writes into ``<run.root>/<run.name>/version_N/``
+  (``run.root``: Lightning's ``trainer.default_root_dir`` where a config gives that instead)
   (config, checkpoints, logs), never into an earlier run's; with any Lightning logger or none. Nothing to do.
 - **Exact resume** (``resume``, ``user_loaders``, ``loaders``): ``fit --ckpt_path last`` continues the newest run
   bitwise equal to an uninterrupted one (weights, optimizer, LR, every rank's RNG states, the data position
@@ -15,7 +16,8 @@ What it guarantees, and what user code does to get each guarantee:
   that keeps its own position resumes at it (``own_positions``); what cannot follow is named in the start line. Draw
   randomness from torch/numpy/random's global generators, or seed it per sample. A resume checks it
   (``next_batch``): each checkpoint records the batch its run trains on next, and the resumed run's start line says
-  ``resume verified`` at its first batch, or names the first difference, or why it could not compare.
+  ``resume verified`` at its first batch, or names the first difference, or why it could not compare. What
+  callbacks and ``ReduceLROnPlateau`` judge by (``trainer.callback_metrics``) comes back too (``monitored_values``).
 - **Elastic resume** (``elastic``, ``loaders``, ``resume``): ``fit --ckpt_path last --trainer.devices M`` continues
   a run of N ranks with the same samples in the same global batches, the same optimizer steps, LR and
   ``global_step``, within float-reduction noise: the epoch's order does not depend on the number of ranks (padded
@@ -81,7 +83,7 @@ Optional parts a reader can skip live in subpackages: ``sweep/`` (Optuna studies
 ``sharded/`` (FSDP2 and its folders), ``speed/`` (switches that change how fast, not what is computed).
 """
 
-__version__ = "1.5.1"  # engine/pyproject.toml's; CHANGELOG.md says what each version changes for users
+__version__ = "1.6.0"  # engine/pyproject.toml's; CHANGELOG.md says what each version changes for users
 
 # The public names (docs/engine.md), imported when first used: `import steadfast` alone builds no CLI.
 _PUBLIC = {
