@@ -187,13 +187,15 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         # a dead rank, or a hung one (run.hang_timeout), ends the run in one line; before DestroyProcessGroup
         failures = RankFailures()
         kwargs["callbacks"] = [
+            # the values callbacks and plateau schedulers judge by, across a resume; first: its plateau step at the
+            # fit's end comes before the end's last.ckpt
+            MonitoredValues(),
             *callbacks,
             failures,
             HangWatchdog(runs.hang_timeout, failures.report),
             loaders,  # the engine's samplers in the user's loaders
             streams,
             resume,
-            MonitoredValues(),  # the values callbacks and plateau schedulers judge by, carried across a resume
         ]
         if config.get("profiler") is None:
             kwargs["profiler"] = NoProfiler()

@@ -42,10 +42,9 @@ attribute, on a Lightning version where one changed.
 - ``fit_loop._combined_loader._mode``: several train loaders cycled (``max_size_cycle``), whose shorter one that ran
   out at a save trains next on its epoch's first batch again (``train_loaders_cycle``, ``steadfast.next_batch``).
 - ``fit_loop.restarting``, still set at the end of the epoch a mid-epoch resume lands in, where ``FitLoop`` skips
-  the ``ReduceLROnPlateau`` step; cleared there once the monitored values are back
-  (``step_the_plateau_schedulers_of_a_resumed_epoch``, ``steadfast.monitored_values``); ``epoch_progress``,
-  ``epoch_loop._num_ready_batches_reached`` and ``epoch_loop.update_lr_schedulers``: a checkpoint saved at an
-  epoch's end, before that step, and the step taken on its resume (``plateau_step_pending``,
+  the ``ReduceLROnPlateau`` step (``lightning_skips_the_plateau_step``, ``steadfast.monitored_values``);
+  ``epoch_progress``, ``epoch_loop._num_ready_batches_reached`` and ``epoch_loop.update_lr_schedulers``: a
+  checkpoint saved at an epoch's end, before that step, and the step taken later (``plateau_step_pending``,
   ``step_the_plateau_schedulers``).
 - ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume from an epoch's last batch end
   (``start_the_epoch_lightning_skipped``, ``steadfast.resume``).
@@ -257,16 +256,15 @@ def start_the_epoch_loop_afresh(trainer: L.Trainer) -> None:
         raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
 
 
-def step_the_plateau_schedulers_of_a_resumed_epoch(trainer: L.Trainer) -> None:
-    """``FitLoop.on_advance_end`` steps ``ReduceLROnPlateau`` schedulers only when the fit loop is not restarting,
-    which it still is at the end of the epoch a mid-epoch resume lands in. Call it in ``on_train_epoch_end`` of that
-    epoch, once the monitored values are back (``steadfast.monitored_values``): the loop then counts as not
-    restarting, and Lightning steps them after the epoch's metrics are in, as in the uninterrupted run. (Lightning
-    #18595; the fix proposed in docs/upstream.md.)"""
+def lightning_skips_the_plateau_step(trainer: L.Trainer) -> bool:
+    """Whether ``FitLoop.on_advance_end`` will skip the ``ReduceLROnPlateau`` step of the epoch ending now: it steps
+    only when the fit loop is not restarting, which it still is at the end of the epoch a mid-epoch resume lands in
+    (and only when the epoch ran all its batches, ``epoch_loop._num_ready_batches_reached()``). Read in
+    ``on_train_epoch_end``; the engine takes the step itself at the next epoch's start (``steadfast.monitored_values``).
+    (Lightning #18595; the fix proposed in docs/upstream.md.)"""
     try:
         loop = trainer.fit_loop
-        if loop.restarting:
-            loop.restarting = False  # Lightning's setter: its child loops too; all are past their restart here
+        return bool(loop.restarting) and loop.epoch_loop._num_ready_batches_reached()
     except AttributeError as error:
         raise LightningChanged(f"fit_loop has no {error.name}") from None
 

@@ -9,8 +9,10 @@ not saved in the checkpoint", ``FitLoop.on_advance_end``), nor after an epoch-en
 saves at ``on_train_epoch_end``, before that step): its LR is reduced an epoch late. Here each checkpoint keeps
 rank 0's values (the file rank 0 writes; a monitored value is the same on every rank when logged with
 ``sync_dist`` or a torchmetrics ``Metric``), a resume sets them again before its first batch, and the plateau
-step of that epoch is Lightning's own, once the values are back; a checkpoint saved before its epoch's plateau
-step says so, and the resume takes that step first. (Lightning #18595; docs/upstream.md.)
+step Lightning skips is taken at the next epoch's start (or the fit's end), with the epoch's values then in, as
+Lightning takes it; a checkpoint saved before its epoch's plateau step says so, and the resume takes that step first.
+Both only where every plateau steps each epoch (frequency 1, the default): Lightning counts the epoch one later there.
+(Lightning #18595; docs/upstream.md.)
 """
 
 from typing import Any
@@ -19,11 +21,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from steadfast.compat import (
-    plateau_step_pending,
-    step_the_plateau_schedulers,
-    step_the_plateau_schedulers_of_a_resumed_epoch,
-)
+from steadfast.compat import lightning_skips_the_plateau_step, plateau_step_pending, step_the_plateau_schedulers
 
 
 class MonitoredValues(Callback):
@@ -34,7 +32,8 @@ class MonitoredValues(Callback):
         self._trainer: L.Trainer | None = None
         self._saved: dict[str, torch.Tensor] | None = None  # loaded from the checkpoint resumed from
         self._pending = False  # that checkpoint was saved at an epoch's end, before its plateau step
-        self._resumed = False  # this fit's values came back: its first epoch's end may step the plateau schedulers
+        self._resumed = False  # this fit's values came back: its first epoch's end is checked for Lightning's skip
+        self._skipped = False  # Lightning skipped the plateau step of the epoch that just ended: taken next
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -64,17 +63,23 @@ class MonitoredValues(Callback):
         for key, value in saved.items():
             current.setdefault(key, value.to(device))
         self._resumed = True
-        # the step the checkpoint's run took right after saving it: Lightning's own, which counts epochs from this
-        # one (one later), so only where every plateau steps each epoch (frequency 1, the default)
-        plateaus = [c for c in trainer.lr_scheduler_configs if c.reduce_on_plateau and c.interval == "epoch"]
-        if self._pending and all(c.frequency == 1 for c in plateaus):
-            step_the_plateau_schedulers(trainer)
+        self._skipped = self._pending  # the step the checkpoint's run took right after saving it
         self._pending = False
+        self._step_the_skipped(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Before the monitoring callbacks' and the loop's own epoch end: Lightning then steps the plateau schedulers
-        # of the resumed epoch, as the uninterrupted run did (only a run whose values came back: a checkpoint of
-        # plain Lightning has none, and Lightning's skip stays)
-        if self._resumed:
-            step_the_plateau_schedulers_of_a_resumed_epoch(trainer)
+        if self._resumed:  # the epoch a resume landed in: Lightning skips its plateau step when it was mid-epoch
+            self._skipped = lightning_skips_the_plateau_step(trainer)
             self._resumed = False
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._step_the_skipped(trainer)  # before anything of the epoch trains with the LR
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._step_the_skipped(trainer)  # the last epoch's: before the end's last.ckpt (listed first)
+
+    def _step_the_skipped(self, trainer: L.Trainer) -> None:
+        plateaus = [c for c in trainer.lr_scheduler_configs if c.reduce_on_plateau and c.interval == "epoch"]
+        if self._skipped and all(c.frequency == 1 for c in plateaus):
+            step_the_plateau_schedulers(trainer)
+        self._skipped = False

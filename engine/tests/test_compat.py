@@ -1016,14 +1016,15 @@ def test_fit_loop_leaves_loader_states_unloaded_after_estimated_stepping_batches
     assert Loader.loaded == [{"at": 2}]
 
 
-def test_lightning_skips_the_plateau_step_of_a_resumed_epoch_and_the_engine_lets_it_step(tmp_path):
+def test_lightning_skips_the_plateau_step_of_a_resumed_epoch_and_says_so_at_its_end(tmp_path):
     """Plain Lightning: resumed mid-epoch 1, ``ReduceLROnPlateau`` is not stepped at that epoch's end (``FitLoop``:
     not while restarting), so the LR halves twice where the uninterrupted run halved it three times;
-    ``step_the_plateau_schedulers_of_a_resumed_epoch`` at that epoch's end gives the uninterrupted LR. If this fails
-    because Lightning now steps it, the fix can go."""
+    ``lightning_skips_the_plateau_step`` says so at that epoch's end (and at no other), and
+    ``step_the_plateau_schedulers`` at the next epoch's start gives the uninterrupted LR. If this fails because
+    Lightning now steps it, the fix can go."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from steadfast.compat import step_the_plateau_schedulers_of_a_resumed_epoch
+    from steadfast.compat import lightning_skips_the_plateau_step, step_the_plateau_schedulers
 
     class Module(BoringModel):
         def validation_step(self, batch, batch_idx):
@@ -1036,8 +1037,16 @@ def test_lightning_skips_the_plateau_step_of_a_resumed_epoch_and_the_engine_lets
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "v"}}
 
     class Step(L.Callback):
+        def __init__(self) -> None:
+            self.skipped: list[int] = []
+
         def on_train_epoch_end(self, trainer, pl_module):
-            step_the_plateau_schedulers_of_a_resumed_epoch(trainer)
+            if lightning_skips_the_plateau_step(trainer):
+                self.skipped.append(trainer.current_epoch)
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if self.skipped and self.skipped[-1] == trainer.current_epoch - 1:
+                step_the_plateau_schedulers(trainer)
 
     def fit(*more: L.Callback, ckpt: Path | None = None) -> float:
         every_5 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1, filename="{step}")
@@ -1046,11 +1055,12 @@ def test_lightning_skips_the_plateau_step_of_a_resumed_epoch_and_the_engine_lets
         trainer.fit(Module(), ckpt_path=ckpt)
         return trainer.optimizers[0].param_groups[0]["lr"]
 
-    assert fit() == pytest.approx(0.0125)  # 0.1, halved at the ends of epochs 0, 1 and 2
+    assert fit(uninterrupted := Step()) == pytest.approx(0.0125)  # 0.1, halved at the ends of epochs 0, 1 and 2
+    assert uninterrupted.skipped == []
     mid_epoch = tmp_path / "step=5.ckpt"  # epoch 1, batch 0 done
     assert torch.load(mid_epoch, weights_only=True)["epoch"] == 1
     assert fit(ckpt=mid_epoch) == pytest.approx(0.025)  # Lightning: epoch 1's end not stepped
-    assert fit(Step(), ckpt=mid_epoch) == pytest.approx(0.0125)
+    assert fit(step := Step(), ckpt=mid_epoch) == pytest.approx(0.0125) and step.skipped == [1]
 
 
 def test_validation_loop_seen_batches_per_dataloader_is_the_step_of_on_step_validation_values(tmp_path):
