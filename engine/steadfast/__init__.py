@@ -75,9 +75,9 @@ What it guarantees, and what user code does to get each guarantee:
   one, each run said once by rank 0; a dead DDP rank, or one that makes no progress for ``run.hang_timeout`` (300 s;
   a stopped process, a stuck collective or data loader), ends the run in one line naming it, its step, the intact
   checkpoint and the resume command. Nothing to do; ``PROJECT_VERBOSE=1`` shows every line.
-- **Private Lightning APIs** live in ``compat`` (and torch's in ``compat_torch``, ``self.log``'s in
-  ``compat_logging``) only, each tested by name (a scan of the engine's source fails on one elsewhere); on a
-  layout it does not know, the engine stops in one line naming the attribute and the version.
+- **Private Lightning APIs** live in ``compat`` (the fit loop's in ``compat_loops``, torch's in ``compat_torch``,
+  ``self.log``'s in ``compat_logging``) only, each tested by name (a scan of the engine's source fails on one
+  elsewhere); on a layout it does not know, the engine stops in one line naming the attribute and the version.
 
 Optional parts a reader can skip live in subpackages: ``sweep/`` (Optuna studies), ``export/`` (deployment formats),
 ``sharded/`` (FSDP2 and its folders), ``speed/`` (switches that change how fast, not what is computed).

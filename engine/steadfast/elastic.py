@@ -6,8 +6,8 @@ batch, never to the number of ranks (``loaders.ResumableSampler``); rank ``r`` o
 optimizer step ``s`` trains on ``order[s*G:(s+1)*G]`` on any number of ranks that keeps ``G`` = per-device batch x
 ranks x ``accumulate_grad_batches``. On such a resume the engine keeps ``G`` by changing the accumulation (one
 segment of the start line says so), and rewrites Lightning's loop counters, which count each rank's micro-batches,
-to the new shape (``compat.rescale_batch_progress``). What cannot follow a change of shape is said in the start line:
-the random streams of each rank (dropout), BatchNorm statistics over another number of samples, and an epoch that
+to the new shape (``compat_loops.rescale_batch_progress``). What cannot follow a change of shape is said in the start
+line: the random streams of each rank (dropout), BatchNorm statistics over another number of samples, and an epoch that
 ``limit_train_batches`` (a count of micro-batches) now ends at other samples (``epoch_note``).
 """
 

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
-from steadfast.compat import logging_step
+from steadfast.compat_loops import logging_step
 from steadfast.compat_torch import skips_steps_on_device
 from steadfast.signals import last_checkpoint_path
 

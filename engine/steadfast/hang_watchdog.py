@@ -49,7 +49,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from steadfast.compat import batches_begun
+from steadfast.compat_loops import batches_begun
 from steadfast.rank_failures import launched_by_lightning
 
 WHAT = ("starting", "training", "validating", "saving a checkpoint", "testing", "predicting")

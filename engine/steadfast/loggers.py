@@ -8,8 +8,8 @@ from typing import Any
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from steadfast.compat import logging_step
 from steadfast.compat_logging import experiment_opened, replace_log_metrics
+from steadfast.compat_loops import logging_step
 
 
 class ThrottledTensorBoardLogger(TensorBoardLogger):

@@ -21,7 +21,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from steadfast.compat import lightning_skips_the_plateau_step, plateau_step_pending, step_the_plateau_schedulers
+from steadfast.compat_loops import lightning_skips_the_plateau_step, plateau_step_pending, step_the_plateau_schedulers
 
 
 class MonitoredValues(Callback):

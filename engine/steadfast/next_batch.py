@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, IterableDataset
 
 from steadfast import batch_fingerprint as fp
-from steadfast.compat import train_loaders_cycle
+from steadfast.compat_loops import train_loaders_cycle
 from steadfast.loaders import ResumableDataLoader, ResumableSampler
 from steadfast.own_orders import OwnOrder
 from steadfast.own_positions import OwnPosition

@@ -26,7 +26,7 @@ import torch
 from lightning.fabric.utilities.data import has_len
 from torch.utils.data import DataLoader
 
-from steadfast.compat import batches_fetched_ahead
+from steadfast.compat_loops import batches_fetched_ahead
 from steadfast.compat_torch import unstarted_copy
 from steadfast.stream_positions import fingerprint, loading_its_state
 from steadfast.stream_resume import StreamResume

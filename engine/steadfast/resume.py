@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torchmetrics import Metric
 
-from steadfast.compat import (
+from steadfast.compat_loops import (
     load_the_loader_states_lightning_left,
     reopen_an_epoch_stopped_mid_way,
     rescale_batch_progress,

@@ -13,8 +13,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from steadfast.compat import logging_step
 from steadfast.compat_logging import continue_evaluation_logging_steps, evaluation_logging_steps
+from steadfast.compat_loops import logging_step
 from steadfast.loggers import StepGate
 from steadfast.run_checkpoints import EVALUATION_LOGGING_STEPS, NEXT_LOGGING_STEP
 from steadfast.run_loggers import write_record

@@ -308,7 +308,8 @@ def test_result_metric_to_takes_lightnings_path_for_a_value_it_does_not_know():
 
 
 def test_fit_loop_saved_counters_are_rewritten_and_an_unknown_layout_stops_the_engine():
-    from steadfast.compat import LightningChanged, reopen_an_epoch_stopped_mid_way
+    from steadfast.compat import LightningChanged
+    from steadfast.compat_loops import reopen_an_epoch_stopped_mid_way
 
     def counts(n):
         return {"ready": n, "started": n, "processed": n, "completed": n}
@@ -628,7 +629,8 @@ def test_fit_loop_epoch_loop_batch_progress_counts_micro_batches_rescaled_for_an
 
     from lightning.pytorch.loops.progress import _BatchProgress
 
-    from steadfast.compat import LightningChanged, rescale_batch_progress
+    from steadfast.compat import LightningChanged
+    from steadfast.compat_loops import rescale_batch_progress
 
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     progress = trainer.fit_loop.epoch_loop.batch_progress
@@ -702,7 +704,8 @@ def test_fused_adamw_skips_its_step_on_the_device_while_found_inf_is_set():
 def test_fit_loop_epoch_loop_batches_that_stepped_is_the_loggers_step_one_per_batch_not_per_optimizer_step():
     from types import SimpleNamespace
 
-    from steadfast.compat import LightningChanged, logging_step
+    from steadfast.compat import LightningChanged
+    from steadfast.compat_loops import logging_step
     from tests.fixtures.kinds import KindData, TwoOptimizers
 
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3, limit_val_batches=0,
@@ -875,7 +878,7 @@ def test_lightning_ends_an_ended_epoch_again_under_max_steps(tmp_path):
     from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from steadfast.compat import logging_step, start_the_epoch_after_an_ended_one, start_the_epoch_loop_afresh
+    from steadfast.compat_loops import logging_step, start_the_epoch_after_an_ended_one, start_the_epoch_loop_afresh
 
     class Module(BoringModel):
         def train_dataloader(self):
@@ -924,7 +927,7 @@ def test_fit_loop_data_fetcher_batches_holds_the_batch_fetched_ahead_of_a_loader
     from lightning.pytorch.demos.boring_classes import BoringModel
     from torch.utils.data import DataLoader, IterableDataset
 
-    from steadfast.compat import batches_fetched_ahead
+    from steadfast.compat_loops import batches_fetched_ahead
 
     class Stream(IterableDataset):
         def __iter__(self):
@@ -981,7 +984,7 @@ def test_fit_loop_leaves_loader_states_unloaded_after_estimated_stepping_batches
     from lightning.pytorch.demos.boring_classes import BoringModel
     from torch.utils.data import DataLoader
 
-    from steadfast.compat import load_the_loader_states_lightning_left
+    from steadfast.compat_loops import load_the_loader_states_lightning_left
 
     class Loader(DataLoader):
         loaded: list = []
@@ -1024,7 +1027,7 @@ def test_lightning_skips_the_plateau_step_of_a_resumed_epoch_and_says_so_at_its_
     Lightning now steps it, the fix can go."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from steadfast.compat import lightning_skips_the_plateau_step, step_the_plateau_schedulers
+    from steadfast.compat_loops import lightning_skips_the_plateau_step, step_the_plateau_schedulers
 
     class Module(BoringModel):
         def validation_step(self, batch, batch_idx):
@@ -1113,7 +1116,7 @@ def test_fit_loop_combined_loader_mode_says_whether_several_train_loaders_are_cy
     from lightning.pytorch.utilities import CombinedLoader
     from torch.utils.data import DataLoader
 
-    from steadfast.compat import train_loaders_cycle
+    from steadfast.compat_loops import train_loaders_cycle
 
     class Module(BoringModel):
         def __init__(self, loaders) -> None:

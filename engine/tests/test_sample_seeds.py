@@ -128,7 +128,7 @@ def on_two_ranks(tmp_path_factory):
     [
         ("two_ranks", 9, 8, "epoch 0, batch 8"),  # last.ckpt, mid-epoch
         # the best-k file of epoch 0's end (10 steps an epoch on 2 ranks), under max_steps: Lightning alone would
-        # train epoch 1 in epoch 2's order (compat.start_the_epoch_after_an_ended_one)
+        # train epoch 1 in epoch 2's order (compat_loops.start_the_epoch_after_an_ended_one)
         ("one_rank", 11, 10, "epoch 1, batch 0"),
     ],
 )

@@ -1,0 +1,237 @@
+"""The private Lightning APIs of the fit loop the engine relies on: its saved and live counters, its restart state,
+the batches its fetcher holds, how it combines several train loaders. tests/test_compat.py fails, naming the
+attribute, on a Lightning version where one changed (``LightningChanged``, ``steadfast.compat``).
+
+- The fit loop's saved counters (``loops.fit_loop``: ``epoch_loop.batch_progress``, ``epoch_progress``), rewritten
+  when a fit stopped mid-epoch (``reopen_an_epoch_stopped_mid_way``, ``steadfast.resume``), and on loading a
+  checkpoint of an epoch's end into a fit with ``max_steps`` (``start_the_epoch_after_an_ended_one``, likewise);
+  then ``fit_loop.epoch_loop.restarting`` and ``reset_restart_stage`` (``start_the_epoch_loop_afresh``).
+- ``fit_loop.epoch_loop.batch_progress.total.ready``: the training batches begun, where a hung rank stopped
+  (``batches_begun``, ``steadfast.hang_watchdog``).
+- ``fit_loop._data_fetcher.batches`` of a ``_PrefetchDataFetcher``: the batches Lightning fetched from the train
+  loaders ahead of training (one, of a loader without a length), not in a checkpoint's loader positions
+  (``batches_fetched_ahead``, ``steadfast.own_positions``).
+- ``fit_loop._combined_loader_states_to_load`` and ``_combined_loader`` (``CombinedLoader._load_state_dicts``, what
+  ``fit_loop._load_combined_loader_states`` calls): the train loaders' saved
+  positions, which Lightning leaves unloaded when ``configure_optimizers`` read ``estimated_stepping_batches``
+  (Lightning #20550), loaded at ``on_train_start`` (``load_the_loader_states_lightning_left``, ``steadfast.resume``).
+- The fit loop's live micro-batch counters (``fit_loop.epoch_loop.batch_progress``: ``current`` and ``total``, each
+  ``ready``/``started``/``processed``/``completed``), rescaled on a resume on another number of ranks
+  (``rescale_batch_progress``, ``steadfast.resume``).
+- ``fit_loop._combined_loader._mode``: several train loaders cycled (``max_size_cycle``), whose shorter one that ran
+  out at a save trains next on its epoch's first batch again (``train_loaders_cycle``, ``steadfast.next_batch``).
+- ``fit_loop.restarting``, still set at the end of the epoch a mid-epoch resume lands in, where ``FitLoop`` skips
+  the ``ReduceLROnPlateau`` step (``lightning_skips_the_plateau_step``, ``steadfast.monitored_values``);
+  ``epoch_progress``, ``epoch_loop._num_ready_batches_reached`` and ``epoch_loop.update_lr_schedulers``: a
+  checkpoint saved at an epoch's end, before that step, and the step taken later (``plateau_step_pending``,
+  ``step_the_plateau_schedulers``).
+- ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume from an epoch's last batch end
+  (``start_the_epoch_lightning_skipped``, ``steadfast.resume``).
+- ``fit_loop.epoch_loop._batches_that_stepped``: the step Lightning gives the loggers (one per batch that stepped,
+  whatever the optimizer steps in it), read to know which logged steps a checkpoint covers
+  (``logging_step``, ``steadfast.run_folder``).
+"""
+
+import lightning as L
+
+from steadfast.compat import LightningChanged
+
+
+def reopen_an_epoch_stopped_mid_way(checkpoint: dict) -> None:
+    """A fit stopped mid-epoch (``max_time``, ``max_steps``, an early stop) counts that epoch as done before its
+    end-of-fit save, so ``--ckpt_path last`` would start the next epoch (its data order, its epoch number) at the
+    batch where this one stopped. The checkpoint is written as a save during that epoch would be: the epoch
+    started and not yet processed. A weights-only save (no ``loops``) has nothing to reopen."""
+    if "loops" not in checkpoint:
+        return
+    try:
+        fit = checkpoint["loops"]["fit_loop"]
+        batches, epochs = fit["epoch_loop.batch_progress"], fit["epoch_progress"]
+        mid_epoch = not batches["is_last_batch"] and batches["current"]["completed"] > 0
+        current, total = epochs["current"], epochs["total"]
+        counted = current["completed"] == current["ready"] > 0
+        for counts in (current, total):
+            counts["processed"], counts["completed"]  # both there before either is changed
+    except (KeyError, TypeError) as error:
+        raise LightningChanged(f"the checkpoint's loops.fit_loop has no {error} where the engine expects it") from None
+    if mid_epoch and counted:
+        for counts in (current, total):
+            counts["processed"] -= 1
+            counts["completed"] -= 1
+        checkpoint["epoch"] = current["completed"]
+
+
+def start_the_epoch_after_an_ended_one(checkpoint: dict, max_steps: int) -> bool:
+    """Lightning 2.6 (2.6.6 and before), in a fit with ``max_steps``: a checkpoint saved after an epoch's end (its
+    validation and ``on_train_epoch_end``, where every monitored or every-N-epochs ``ModelCheckpoint`` saves) is
+    resumed by ending that epoch once more. Its epoch counter counts the epoch twice, so the next epoch
+    (``current_epoch`` 1) draws the data order of the one after it (the sampler's ``set_epoch(2)``), and
+    ``max_epochs`` ends the run an epoch early. Without ``max_steps`` Lightning starts the next epoch as it should:
+    its loops are not "restarting" (``FitLoop.restarting`` forces it for a fit with ``max_steps``). The fix is what
+    Lightning does then: the checkpoint's epoch is counted complete here (before Lightning restores the loops: call
+    it in ``on_load_checkpoint``; returns whether it did), and ``start_the_epoch_loop_afresh`` at ``on_train_start``
+    has the epoch loop start its counts as on a fresh epoch (``reset_on_run``), not as a restart in which its first
+    iteration trains nothing and counts a logged step. Upstream: the same restart logic of a fit with ``max_steps``
+    is https://github.com/Lightning-AI/pytorch-lightning/issues/19617 (open); this case is to be reported there with
+    ``tests/test_compat.py::test_lightning_ends_an_ended_epoch_again_under_max_steps``."""
+    if max_steps == -1 or "loops" not in checkpoint:
+        return False
+    try:
+        fit = checkpoint["loops"]["fit_loop"]
+        epochs, batches = fit["epoch_progress"], fit["epoch_loop.batch_progress"]
+        current = epochs["current"]
+        ended = current["ready"] == current["started"] == current["processed"] == current["completed"] + 1 > 0
+        if not ended or not batches["is_last_batch"]:
+            return False
+        for counts in (epochs["current"], epochs["total"]):
+            counts["completed"] = counts["processed"]
+    except (KeyError, TypeError) as error:
+        raise LightningChanged(f"the checkpoint's loops.fit_loop has no {error} where the engine expects it") from None
+    return True
+
+
+def start_the_epoch_loop_afresh(trainer: L.Trainer) -> None:
+    """The second half of ``start_the_epoch_after_an_ended_one``: the epoch loop (and its validation loop) not
+    restarting, as without ``max_steps``. Call it in ``on_train_start``, after the fit loop's reset and before the
+    epoch loop's."""
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        loop.restarting = False  # Lightning's setter: its child loops too
+        loop.reset_restart_stage()
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
+
+
+def lightning_skips_the_plateau_step(trainer: L.Trainer) -> bool:
+    """Whether ``FitLoop.on_advance_end`` will skip the ``ReduceLROnPlateau`` step of the epoch ending now: it steps
+    only when the fit loop is not restarting, which it still is at the end of the epoch a mid-epoch resume lands in
+    (and only when the epoch ran all its batches, ``epoch_loop._num_ready_batches_reached()``). Read in
+    ``on_train_epoch_end``; the engine takes the step itself at the next epoch's start (``steadfast.monitored_values``).
+    (Lightning #18595; the fix proposed in docs/upstream.md.)"""
+    try:
+        loop = trainer.fit_loop
+        return bool(loop.restarting) and loop.epoch_loop._num_ready_batches_reached()
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop has no {error.name}") from None
+
+
+def plateau_step_pending(trainer: L.Trainer) -> bool:
+    """Whether this point lies between an epoch's end hooks and Lightning's ``ReduceLROnPlateau`` step after them
+    (``fit_loop.epoch_progress.current``: processed, not completed; ``epoch_loop._num_ready_batches_reached()``, the
+    condition of that step): a checkpoint saved here (a ``ModelCheckpoint`` at ``on_train_epoch_end``, the default
+    with validation every epoch) holds the plateau schedulers before their step of this epoch."""
+    try:
+        loop = trainer.fit_loop
+        progress = loop.epoch_progress.current
+        return progress.processed > progress.completed and loop.epoch_loop._num_ready_batches_reached()
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop has no {error.name}") from None
+
+
+def step_the_plateau_schedulers(trainer: L.Trainer) -> None:
+    """The ``ReduceLROnPlateau`` step of an epoch's end, as ``FitLoop.on_advance_end`` takes it
+    (``epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=True)``, by ``trainer.callback_metrics``)."""
+    try:
+        trainer.fit_loop.epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=True)
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
+
+
+def train_loaders_cycle(trainer: L.Trainer) -> bool:
+    """Whether the fit combines several train loaders in ``max_size_cycle`` mode (``fit_loop._combined_loader._mode``:
+    a dict or list a hook returns, or a ``CombinedLoader`` of that mode), where a shorter loader that runs out is
+    iterated again, in the same epoch's order, until the longest ends."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", LightningChanged)
+    mode = getattr(combined, "_mode", LightningChanged) if combined is not None else None
+    if combined is LightningChanged or mode is LightningChanged:
+        raise LightningChanged("fit_loop._combined_loader._mode is gone")
+    return mode == "max_size_cycle" and len(combined.flattened) > 1
+
+
+def batches_begun(trainer: L.Trainer) -> int:
+    """Training batches this fit has begun (``fit_loop.epoch_loop.batch_progress.total.ready``, counted before
+    ``on_train_batch_start``): the same on every rank at the same point of the loop."""
+    try:
+        return int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop.batch_progress.total has no {error.name}") from None
+
+
+def load_the_loader_states_lightning_left(trainer: L.Trainer) -> bool:
+    """Loads the train loaders' positions from the checkpoint into them if Lightning has not; returns whether it
+    did. A ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` (``OneCycleLR``'s
+    ``total_steps``, as its docs show) has Lightning build the loaders before it restores the checkpoint, and its
+    second ``setup_data`` returns early, so the positions it read are never loaded and the epoch restarts
+    (https://github.com/Lightning-AI/pytorch-lightning/issues/20550; its fix, PR #21765, is open). Call it at
+    ``on_train_start``, before the first batch is fetched from a loader with a length (its iterator is a
+    generator that reads the position then)."""
+    fit = trainer.fit_loop
+    pending = getattr(fit, "_combined_loader_states_to_load", LightningChanged)
+    combined = getattr(fit, "_combined_loader", LightningChanged)
+    if pending is LightningChanged or combined is LightningChanged:
+        raise LightningChanged("fit_loop._combined_loader_states_to_load / _combined_loader are gone")
+    if not pending or combined is None:
+        return False
+    combined._load_state_dicts(pending)  # what fit_loop._load_combined_loader_states does, unless not restarting
+    fit._combined_loader_states_to_load = []
+    return True
+
+
+def batches_fetched_ahead(trainer: L.Trainer) -> int:
+    """How many batches Lightning's fetcher has taken from the train loaders and not yet handed to training: one
+    during an epoch of a loader without a length (``_PrefetchDataFetcher`` fetches a batch ahead, to know the last
+    one), none at its end or of a sized loader. A loader's ``state_dict()`` read at a save counts them as trained on.
+    Upstream: the report to file is in the template's docs/upstream.md (related: Lightning #20550, #18135)."""
+    from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher, _PrefetchDataFetcher
+
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", LightningChanged)
+    if fetcher is LightningChanged:
+        raise LightningChanged("fit_loop._data_fetcher is gone")
+    if fetcher is None or isinstance(fetcher, _DataLoaderIterDataFetcher):
+        return 0  # not fetching, or training_step(dataloader_iter) takes each batch itself
+    if not isinstance(fetcher, _PrefetchDataFetcher) or not isinstance(getattr(fetcher, "batches", None), list):
+        raise LightningChanged(f"the fit loop's data fetcher {type(fetcher).__name__} has no list of fetched batches")
+    return len(fetcher.batches)
+
+
+COUNTS = ("ready", "started", "processed", "completed")
+
+
+def rescale_batch_progress(trainer: L.Trainer, before: int, after: int) -> None:
+    """Rewrites the fit loop's micro-batch counters, restored from a checkpoint whose micro-batches held ``before``
+    samples over all ranks, to micro-batches of ``after`` samples: each rank then counts the batches it would have
+    run had the run had this shape from the start (the loop decides from them where the epoch and each accumulation
+    end). Offsets between the counts (a save at a batch end counts that batch ready, not completed) are kept. Call it
+    after the loops are restored and before the epoch loop resets (``on_train_start``)."""
+    try:
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        trackers = {"current": progress.current, "total": progress.total}
+        counts = {name: {c: int(getattr(t, c)) for c in COUNTS} for name, t in trackers.items()}
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop.batch_progress has no {error.name}") from None
+    for name, tracker in trackers.items():
+        samples = counts[name]["processed"] * before
+        if samples % after:
+            raise ValueError(
+                f"the checkpoint was taken after {samples} samples ({name} count of the fit loop), not a whole number "
+                f"of micro-batches of {after} samples over all ranks: resume it on a shape whose micro-batch divides it"
+            )
+        for count in COUNTS:
+            setattr(tracker, count, samples // after + counts[name][count] - counts[name]["processed"])
+
+
+def start_the_epoch_lightning_skipped(pl_module: L.LightningModule) -> None:
+    """Lightning 2.6 starts the epoch after a resume from a checkpoint taken at the previous epoch's last batch end
+    without calling ``on_train_epoch_start``: the module's epoch-start work (e.g. resetting train metrics) would be
+    skipped and the resumed run would differ from the uninterrupted one. The caller calls this only when the hook
+    did not run for this epoch, so on a Lightning that calls it, this is never reached."""
+    pl_module.on_train_epoch_start()
+
+
+def logging_step(trainer: L.Trainer) -> int:
+    """The step Lightning passes to the loggers for the current training batch (not ``global_step``: with two
+    optimizer steps a batch, it counts batches; incremented after each batch's logging)."""
+    try:
+        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    except AttributeError:
+        raise LightningChanged("fit_loop.epoch_loop._batches_that_stepped is gone") from None
