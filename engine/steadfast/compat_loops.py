@@ -22,9 +22,9 @@ attribute, on a Lightning version where one changed (``LightningChanged``, ``ste
   out at a save trains next on its epoch's first batch again (``train_loaders_cycle``, ``steadfast.next_batch``).
 - ``fit_loop.restarting``, still set at the end of the epoch a mid-epoch resume lands in, where ``FitLoop`` skips
   the ``ReduceLROnPlateau`` step (``lightning_skips_the_plateau_step``, ``steadfast.monitored_values``);
-  ``epoch_progress``, ``epoch_loop._num_ready_batches_reached`` and ``epoch_loop.update_lr_schedulers``: a
-  checkpoint saved at an epoch's end, before that step, and the step taken later (``plateau_step_pending``,
-  ``step_the_plateau_schedulers``).
+  ``epoch_progress`` and ``epoch_loop._num_ready_batches_reached``: a checkpoint saved at an epoch's end, before
+  that step (``plateau_step_pending``); ``epoch_loop.scheduler_progress``, counting the step taken later as
+  ``TrainingEpochLoop._update_learning_rates`` takes it (``step_the_plateau_schedulers``).
 - ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume from an epoch's last batch end
   (``start_the_epoch_lightning_skipped``, ``steadfast.resume``).
 - ``fit_loop.epoch_loop._batches_that_stepped``: the step Lightning gives the loggers (one per batch that stepped,
@@ -128,11 +128,26 @@ def plateau_step_pending(trainer: L.Trainer) -> bool:
         raise LightningChanged(f"fit_loop has no {error.name}") from None
 
 
-def step_the_plateau_schedulers(trainer: L.Trainer) -> None:
-    """The ``ReduceLROnPlateau`` step of an epoch's end, as ``FitLoop.on_advance_end`` takes it
-    (``epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=True)``, by ``trainer.callback_metrics``)."""
+def step_the_plateau_schedulers(trainer: L.Trainer, epoch: int) -> None:
+    """The ``ReduceLROnPlateau`` steps of epoch ``epoch``'s end, taken later, as ``FitLoop.on_advance_end`` takes
+    them there (``TrainingEpochLoop._update_learning_rates``): each epoch-interval plateau whose ``frequency``
+    divides ``epoch + 1``, by ``trainer.callback_metrics[monitor]``, through the module's ``lr_scheduler_step``,
+    counted in ``epoch_loop.scheduler_progress``. Lightning's own method counts by ``trainer.current_epoch``, the
+    epoch after by then: a plateau stepping every 2 epochs would step at the wrong ones. A monitor not logged is
+    left, as Lightning does when not ``strict`` (when ``strict``, the run stopped at an earlier epoch's end)."""
+    module = trainer.lightning_module
+    if not module.automatic_optimization:  # Lightning steps no scheduler then
+        return
     try:
-        trainer.fit_loop.epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=True)
+        progress = trainer.fit_loop.epoch_loop.scheduler_progress
+        for config in trainer.lr_scheduler_configs:
+            due = config.reduce_on_plateau and config.interval == "epoch" and (epoch + 1) % config.frequency == 0
+            value = trainer.callback_metrics.get(config.monitor) if due else None
+            if value is None:
+                continue
+            progress.increment_ready()
+            module.lr_scheduler_step(config.scheduler, value)
+            progress.increment_completed()
     except AttributeError as error:
         raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
 

@@ -10,9 +10,9 @@ saves at ``on_train_epoch_end``, before that step): its LR is reduced an epoch l
 rank 0's values (the file rank 0 writes; a monitored value is the same on every rank when logged with
 ``sync_dist`` or a torchmetrics ``Metric``), a resume sets them again before its first batch, and the plateau
 step Lightning skips is taken at the next epoch's start (or the fit's end), with the epoch's values then in, as
-Lightning takes it; a checkpoint saved before its epoch's plateau step says so, and the resume takes that step first.
-Both only where every plateau steps each epoch (frequency 1, the default): Lightning counts the epoch one later there.
-(Lightning #18595; docs/upstream.md.)
+Lightning takes it, counted as of the epoch it belongs to (a plateau with ``frequency`` 2 steps after epochs 1, 3,
+...); a checkpoint saved before its epoch's plateau step says so, and the resume takes that step first. A checkpoint
+of engine 1.5 (no saved values) has the skipped step taken too. (Lightning #18595; docs/upstream.md.)
 """
 
 from typing import Any
@@ -31,9 +31,10 @@ class MonitoredValues(Callback):
     def __init__(self) -> None:
         self._trainer: L.Trainer | None = None
         self._saved: dict[str, torch.Tensor] | None = None  # loaded from the checkpoint resumed from
-        self._pending = False  # that checkpoint was saved at an epoch's end, before its plateau step
-        self._resumed = False  # this fit's values came back: its first epoch's end is checked for Lightning's skip
-        self._skipped = False  # Lightning skipped the plateau step of the epoch that just ended: taken next
+        self._epoch: int | None = None  # the epoch of the checkpoint resumed from
+        self._pending_saved = False  # that checkpoint was saved at its epoch's end, before its plateau step
+        self._resumed = False  # this fit resumed: its first epoch's end is checked for Lightning's skip
+        self._skipped: int | None = None  # the epoch whose plateau step Lightning skipped: taken next
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -48,28 +49,32 @@ class MonitoredValues(Callback):
                 value = torch.tensor(value)
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 values[key] = value.detach().cpu().clone()
-        return {"values": values, "plateau_pending": plateau_step_pending(trainer)}
+        return {"values": values, "plateau_pending": plateau_step_pending(trainer)}  # of the checkpoint's "epoch"
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self._epoch = checkpoint.get("epoch")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._saved = state_dict.get("values")
-        self._pending = bool(state_dict.get("plateau_pending"))
+        self._pending_saved = bool(state_dict.get("plateau_pending"))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         saved, self._saved = self._saved, None
-        if saved is None or trainer.ckpt_path is None:
+        if trainer.ckpt_path is None:
             return
+        self._resumed = True  # also from a checkpoint without saved values: the skipped step needs none
         device = pl_module.device  # where Lightning keeps the values it logs
         current = trainer.callback_metrics  # the dict itself: what a callback reads next
-        for key, value in saved.items():
+        for key, value in (saved or {}).items():
             current.setdefault(key, value.to(device))
-        self._resumed = True
-        self._skipped = self._pending  # the step the checkpoint's run took right after saving it
-        self._pending = False
+        if self._pending_saved:  # the step the checkpoint's run took right after saving it
+            self._skipped = self._epoch
+        self._pending_saved = False
         self._step_the_skipped(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._resumed:  # the epoch a resume landed in: Lightning skips its plateau step when it was mid-epoch
-            self._skipped = lightning_skips_the_plateau_step(trainer)
+            self._skipped = trainer.current_epoch if lightning_skips_the_plateau_step(trainer) else None
             self._resumed = False
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -79,7 +84,6 @@ class MonitoredValues(Callback):
         self._step_the_skipped(trainer)  # the last epoch's: before the end's last.ckpt (listed first)
 
     def _step_the_skipped(self, trainer: L.Trainer) -> None:
-        plateaus = [c for c in trainer.lr_scheduler_configs if c.reduce_on_plateau and c.interval == "epoch"]
-        if self._skipped and all(c.frequency == 1 for c in plateaus):
-            step_the_plateau_schedulers(trainer)
-        self._skipped = False
+        if self._skipped is not None:
+            step_the_plateau_schedulers(trainer, self._skipped)
+        self._skipped = None

@@ -1049,7 +1049,7 @@ def test_lightning_skips_the_plateau_step_of_a_resumed_epoch_and_says_so_at_its_
 
         def on_train_epoch_start(self, trainer, pl_module):
             if self.skipped and self.skipped[-1] == trainer.current_epoch - 1:
-                step_the_plateau_schedulers(trainer)
+                step_the_plateau_schedulers(trainer, self.skipped[-1])
 
     def fit(*more: L.Callback, ckpt: Path | None = None) -> float:
         every_5 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1, filename="{step}")

@@ -52,29 +52,62 @@ def test_a_resume_keeps_the_files_scores_and_plateau_lr_of_a_monitor_between_val
     assert delta == 0.0
 
 
-def test_a_resume_from_an_epoch_end_checkpoint_takes_the_plateau_step_its_run_took_after_saving_it(tmp_path):
+def lr_and_delta(reference, resumed) -> tuple[float, float, float]:
+    """The LR of the final last.ckpt of the resumed run and of the reference, and the weights' max |delta|."""
+    (ref_run,), (run,) = run_dirs(reference, "kind"), run_dirs(resumed, "kind")
+    want, got = [torch.load(r / "checkpoints" / "last.ckpt", weights_only=True) for r in (ref_run, run)]
+    lr, want_lr = [c["optimizer_states"][0]["param_groups"][0]["lr"] for c in (got, want)]
+    return lr, want_lr, max((got["state_dict"][k] - v).abs().max().item() for k, v in want["state_dict"].items())
+
+
+@pytest.mark.parametrize("from_engine_1_5", [False, True])
+def test_a_plateau_stepping_every_second_epoch_is_stepped_at_the_resumed_epochs_end(tmp_path, from_engine_1_5):
+    """``"frequency": 2``: Lightning steps the plateau after epochs 1 and 3 (LR 0.05 / 4 after 4 epochs). Resumed in
+    epoch 1, the step Lightning skips at its end is due and taken (counted as of epoch 1, not of epoch 2, when the
+    engine takes it). From an engine 1.5 checkpoint, which holds no saved values, the step is taken too."""
+    args = [*ARGS, "--model.plateau_every", "2"]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference.mkdir(), resumed.mkdir()
+    cli("fit", *args, cwd=reference)
+    killed = cli("fit", *args, *kill_at(11, settle=True), cwd=resumed, check=False)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    (run,) = run_dirs(resumed, "kind")
+    for path in (run / "checkpoints").glob("*.ckpt"):  # step=9.ckpt, mid-epoch 1, is the newest
+        checkpoint = torch.load(path, weights_only=True)
+        assert checkpoint["global_step"] <= 9 and "MonitoredValues" in checkpoint["callbacks"]
+        if from_engine_1_5:  # what engine 1.5 saved: no MonitoredValues
+            del checkpoint["callbacks"]["MonitoredValues"]
+            torch.save(checkpoint, path)
+    proc = cli("fit", *args, "--ckpt_path", "last", cwd=resumed)
+    assert "step 9" in proc.stdout, proc.stdout[-2000:]
+    lr, want_lr, delta = lr_and_delta(reference, resumed)
+    assert lr == want_lr == 0.05 / 4 and delta == 0.0, (lr, want_lr, delta)
+
+
+@pytest.mark.parametrize("every, kill, saved_step", [(1, 8, 6), (2, 14, 12)])
+def test_a_resume_from_an_epoch_end_checkpoint_takes_the_plateau_step_its_run_took_after_saving_it(
+    tmp_path, every, kill, saved_step
+):
     """A ModelCheckpoint by val_mse saves at each train epoch's end (Lightning's default with validation every
-    epoch), before Lightning's plateau step of that epoch: resumed from it, the LR is the uninterrupted run's."""
-    every_epoch = [*BASE, "--trainer.callbacks.save_last=true"]
+    epoch), before Lightning's plateau step of that epoch: resumed from it, the LR is the uninterrupted run's (a
+    plateau stepping every epoch, and every second: epoch 1's end, where it is due)."""
+    every_epoch = [*BASE, "--trainer.callbacks.save_last=true", "--model.plateau_every", str(every)]
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     reference.mkdir(), resumed.mkdir()
     cli("fit", *every_epoch, cwd=reference)
     (ref_run,) = run_dirs(reference, "kind")
-    want = torch.load(ref_run / "checkpoints" / "last.ckpt", weights_only=True)
 
-    killed = cli("fit", *every_epoch, *kill_at(8, settle=True), cwd=resumed, check=False)
+    killed = cli("fit", *every_epoch, *kill_at(kill, settle=True), cwd=resumed, check=False)
     assert killed.returncode == -9, killed.stderr[-2000:]
     (run,) = run_dirs(resumed, "kind")
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     epochs = saved["loops"]["fit_loop"]["epoch_progress"]["current"]
-    assert saved["global_step"] == 6 and epochs["processed"] == epochs["completed"] + 1, (
-        "precondition: last.ckpt was saved at epoch 0's end, before its plateau step",
+    assert saved["global_step"] == saved_step and epochs["processed"] == epochs["completed"] + 1, (
+        "precondition: last.ckpt was saved at an epoch's end, before its plateau step",
         saved["global_step"],
         epochs,
     )
     cli("fit", *every_epoch, "--ckpt_path", "last", cwd=resumed)
-    got = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-    lr = [g["lr"] for g in got["optimizer_states"][0]["param_groups"]]
-    assert lr == [g["lr"] for g in want["optimizer_states"][0]["param_groups"]] == [0.05 / 2**4], lr
-    delta = max((got["state_dict"][k] - v).abs().max().item() for k, v in want["state_dict"].items())
+    lr, want_lr, delta = lr_and_delta(reference, resumed)
+    assert lr == want_lr == 0.05 / 2 ** (4 // every), (lr, want_lr)
     assert delta == 0.0 and scored(run) == scored(ref_run), (delta, scored(run), scored(ref_run))
