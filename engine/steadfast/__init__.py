@@ -17,7 +17,8 @@ What it guarantees, and what user code does to get each guarantee:
   randomness from torch/numpy/random's global generators, or seed it per sample. A resume checks it
   (``next_batch``): each checkpoint records the batch its run trains on next, and the resumed run's start line says
   ``resume verified`` at its first batch, or names the first difference, or why it could not compare. What
-  callbacks and ``ReduceLROnPlateau`` judge by (``trainer.callback_metrics``) comes back too (``monitored_values``).
+  callbacks and ``ReduceLROnPlateau`` judge by (``trainer.callback_metrics``) comes back too, and the validation
+  Lightning runs where a fit stops mid-epoch (``max_time``) is judged by none of them (``monitored_values``).
 - **Elastic resume** (``elastic``, ``loaders``, ``resume``): ``fit --ckpt_path last --trainer.devices M`` continues
   a run of N ranks with the same samples in the same global batches, the same optimizer steps, LR and
   ``global_step``, within float-reduction noise: the epoch's order does not depend on the number of ranks (padded
@@ -83,7 +84,7 @@ Optional parts a reader can skip live in subpackages: ``sweep/`` (Optuna studies
 ``sharded/`` (FSDP2 and its folders), ``speed/`` (switches that change how fast, not what is computed).
 """
 
-__version__ = "1.6.0"  # engine/pyproject.toml's; CHANGELOG.md says what each version changes for users
+__version__ = "1.6.1"  # engine/pyproject.toml's; CHANGELOG.md says what each version changes for users
 
 # The public names (docs/engine.md), imported when first used: `import steadfast` alone builds no CLI.
 _PUBLIC = {

@@ -19,6 +19,9 @@ attribute, on a Lightning version where one changed.
 - ``ModelCheckpoint._should_skip_saving_checkpoint`` / ``_save_last_checkpoint`` / ``_monitor_candidates``: the
   end-of-fit refresh of ``last.ckpt`` (``steadfast.last_checkpoint``), with Lightning's own bookkeeping of
   ``last_model_path`` and its skips (``fast_dev_run``, not fitting, already saved at this step).
+- ``ModelCheckpoint._last_global_step_saved``: set to the step, so that a checkpoint judging by a monitor saves no
+  file at the validation and epoch end of a fit stopping mid-epoch (``skip_saves_at_this_step``,
+  ``steadfast.monitored_values``).
 - ``lightning.pytorch.utilities.data._update_dataloader``: re-creates a loader (a ``DataLoader`` subclass too) from
   the arguments its ``*_dataloader`` hook gave it, with another sampler, as Lightning puts in its
   ``DistributedSampler`` (``steadfast.user_loaders``).
@@ -148,6 +151,14 @@ def save_last_unless_saved_at_this_step(callback: Any, trainer: L.Trainer) -> No
     global step or Lightning would not save here at all."""
     if callback.save_last and not callback._should_skip_saving_checkpoint(trainer):
         callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def skip_saves_at_this_step(callback: Any, trainer: L.Trainer) -> None:
+    """``callback`` (a ``ModelCheckpoint``) saves no more at this global step, as after a save of its own here
+    (``_should_skip_saving_checkpoint``)."""
+    if not hasattr(callback, "_last_global_step_saved"):
+        raise LightningChanged("ModelCheckpoint has no _last_global_step_saved")
+    callback._last_global_step_saved = trainer.global_step
 
 
 def loader_with_sampler(loader: Any, sampler: Any) -> Any:

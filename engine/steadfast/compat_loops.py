@@ -25,6 +25,10 @@ attribute, on a Lightning version where one changed (``LightningChanged``, ``ste
   ``epoch_progress`` and ``epoch_loop._num_ready_batches_reached``: a checkpoint saved at an epoch's end, before
   that step (``plateau_step_pending``); ``epoch_loop.scheduler_progress``, counting the step taken later as
   ``TrainingEpochLoop._update_learning_rates`` takes it (``step_the_plateau_schedulers``).
+- ``fit_loop.epoch_loop.batch_progress.is_last_batch`` and ``epoch_loop._should_check_val_fx``: a fit stopping
+  mid-epoch (``trainer.should_stop``: ``max_time``, a callback), and whether the validation Lightning runs there
+  would have run without the stop (``stopping_mid_epoch``, ``validation_due_without_the_stop``,
+  ``steadfast.monitored_values``).
 - ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume from an epoch's last batch end
   (``start_the_epoch_lightning_skipped``, ``steadfast.resume``).
 - ``fit_loop.epoch_loop._batches_that_stepped``: the step Lightning gives the loggers (one per batch that stepped,
@@ -150,6 +154,29 @@ def step_the_plateau_schedulers(trainer: L.Trainer, epoch: int) -> None:
             progress.increment_completed()
     except AttributeError as error:
         raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
+
+
+def stopping_mid_epoch(trainer: L.Trainer) -> bool:
+    """Whether the fit stops in the middle of an epoch: ``trainer.should_stop`` set (``max_time``'s ``Timer``, an
+    early stop, a callback) before the epoch's last batch (``fit_loop.epoch_loop.batch_progress.is_last_batch``).
+    Lightning then validates (``TrainingEpochLoop._should_check_val_fx``) and ends the epoch's hooks there."""
+    try:
+        return trainer.should_stop and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
+
+
+def validation_due_without_the_stop(trainer: L.Trainer) -> bool:
+    """Whether the validation starting now is one Lightning runs without ``trainer.should_stop`` set
+    (``fit_loop.epoch_loop._should_check_val_fx``, asked with it unset; it validates also when a fit stops)."""
+    loop = trainer.fit_loop
+    stop, trainer.should_stop = trainer.should_stop, False
+    try:
+        return bool(loop.epoch_loop._should_check_val_fx(loop._data_fetcher))
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop has no {error.name}") from None
+    finally:
+        trainer.should_stop = stop
 
 
 def train_loaders_cycle(trainer: L.Trainer) -> bool:

@@ -13,15 +13,31 @@ step Lightning skips is taken at the next epoch's start (or the fit's end), with
 Lightning takes it, counted as of the epoch it belongs to (a plateau with ``frequency`` 2 steps after epochs 1, 3,
 ...); a checkpoint saved before its epoch's plateau step says so, and the resume takes that step first. A checkpoint
 of engine 1.5 (no saved values) has the skipped step taken too. (Lightning #18595; docs/upstream.md.)
+
+A fit that stops mid-epoch (``max_time``, ``trainer.should_stop`` set by a callback) is an interruption, as a kill
+is: ``fit --ckpt_path last`` continues that epoch (``steadfast.resume``). Lightning still validates there and runs
+the epoch's end hooks, so an ``EarlyStopping`` and a ``ModelCheckpoint`` by a monitor would judge a point the
+uninterrupted run never sees: the resumed run stopped an epoch early, or ranked another best file, and a top-k save
+there could delete a file the uninterrupted run keeps. Here they judge nothing of it: the stop's validation is
+logged, those checkpoints save no file at it, and the checkpoints written after it hold their states (and the
+monitored values) from before it.
 """
 
+import copy
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 
-from steadfast.compat_loops import lightning_skips_the_plateau_step, plateau_step_pending, step_the_plateau_schedulers
+from steadfast.compat import skip_saves_at_this_step
+from steadfast.compat_loops import (
+    lightning_skips_the_plateau_step,
+    plateau_step_pending,
+    step_the_plateau_schedulers,
+    stopping_mid_epoch,
+    validation_due_without_the_stop,
+)
 
 
 class MonitoredValues(Callback):
@@ -35,14 +51,18 @@ class MonitoredValues(Callback):
         self._pending_saved = False  # that checkpoint was saved at its epoch's end, before its plateau step
         self._resumed = False  # this fit resumed: its first epoch's end is checked for Lightning's skip
         self._skipped: int | None = None  # the epoch whose plateau step Lightning skipped: taken next
+        self._before_stop: dict[str, Any] | None = None  # the judges' states before a mid-epoch stop's validation
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
+        self._before_stop = None
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
         if trainer is None or trainer.state.fn != "fit":
             return {}
+        if self._before_stop is not None:
+            return {"values": self._before_stop[_VALUES], "plateau_pending": False}
         values = {}
         for key, value in trainer.callback_metrics.items():
             if isinstance(value, int | float):
@@ -50,6 +70,16 @@ class MonitoredValues(Callback):
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 values[key] = value.detach().cpu().clone()
         return {"values": values, "plateau_pending": plateau_step_pending(trainer)}  # of the checkpoint's "epoch"
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        during_a_fit = trainer.state.fn == "fit" and not trainer.sanity_checking
+        if during_a_fit and stopping_mid_epoch(trainer) and not validation_due_without_the_stop(trainer):
+            self._keep_the_judges_out_of_the_stop(trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if self._before_stop is not None:  # the judges as before the stop (this callback's state: state_dict)
+            states = {key: state for key, state in self._before_stop.items() if key != _VALUES}
+            checkpoint.setdefault("callbacks", {}).update(copy.deepcopy(states))
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         self._epoch = checkpoint.get("epoch")
@@ -73,6 +103,8 @@ class MonitoredValues(Callback):
         self._step_the_skipped(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if stopping_mid_epoch(trainer):  # its end hooks run before the fit ends (also when it did not validate)
+            self._keep_the_judges_out_of_the_stop(trainer)
         if self._resumed:  # the epoch a resume landed in: Lightning skips its plateau step when it was mid-epoch
             self._skipped = trainer.current_epoch if lightning_skips_the_plateau_step(trainer) else None
             self._resumed = False
@@ -87,3 +119,20 @@ class MonitoredValues(Callback):
         if self._skipped is not None:
             step_the_plateau_schedulers(trainer, self._skipped)
         self._skipped = None
+
+    def _keep_the_judges_out_of_the_stop(self, trainer: L.Trainer) -> None:
+        """At a mid-epoch stop, before its validation (or its epoch's end hooks): the states of the callbacks that
+        judge by a monitor, and the monitored values, are kept for the checkpoints written after it, and those
+        ``ModelCheckpoint``s save no file at this step (listed first, this runs before their hooks)."""
+        if self._before_stop is not None:
+            return
+        judges = [c for c in trainer.callbacks if isinstance(c, EarlyStopping | ModelCheckpoint) and c.monitor]
+        values = self.state_dict()["values"]
+        self._before_stop = {c.state_key: copy.deepcopy(c.state_dict()) for c in judges}
+        self._before_stop[_VALUES] = values
+        for callback in judges:
+            if isinstance(callback, ModelCheckpoint):
+                skip_saves_at_this_step(callback, trainer)
+
+
+_VALUES = "monitored values"  # beside the judges' state keys, which are class names with their arguments

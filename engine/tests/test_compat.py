@@ -1141,3 +1141,49 @@ def test_fit_loop_combined_loader_mode_says_whether_several_train_loaders_are_cy
     assert cycled(two) is True
     assert cycled(CombinedLoader(two, mode="max_size")) is False
     assert cycled(DataLoader(RandomDataset(32, 16), batch_size=4)) is False
+
+
+@pytest.mark.parametrize("val_check_interval", [1.0, 3])
+def test_a_fit_stopping_mid_epoch_validates_there_and_says_whether_it_was_due_and_a_checkpoint_can_skip_it(
+    tmp_path, val_check_interval
+):
+    """Plain Lightning: ``trainer.should_stop`` set after batch 3 of an epoch of 4 validates there (and runs the
+    epoch's end hooks); ``stopping_mid_epoch`` says so at that validation's start (not at the epoch end's), and
+    ``validation_due_without_the_stop`` says whether Lightning would have validated there anyway (with
+    ``val_check_interval`` 3, yes). ``skip_saves_at_this_step`` keeps a ``ModelCheckpoint`` by a monitor from
+    saving at that step. If this fails because Lightning no longer validates at a stop, the engine's keeping the
+    judges out of it (``steadfast.monitored_values``) can go."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from steadfast.compat import skip_saves_at_this_step
+    from steadfast.compat_loops import stopping_mid_epoch, validation_due_without_the_stop
+
+    class Module(BoringModel):
+        def validation_step(self, batch, batch_idx):
+            self.log("v", self.step(batch))
+
+    class Probe(L.Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, bool, bool]] = []
+
+        def on_train_batch_end(self, trainer, *_):
+            trainer.should_stop = trainer.global_step == 7  # epoch 1, batch 2 of 0..3
+
+        def on_validation_start(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                stopping, due = stopping_mid_epoch(trainer), validation_due_without_the_stop(trainer)
+                self.seen.append((trainer.global_step, stopping, due))
+                if stopping and not due:
+                    skip_saves_at_this_step(best, trainer)
+
+    probe = Probe()
+    best = ModelCheckpoint(dirpath=tmp_path, monitor="v", save_top_k=-1, filename="{step}")
+    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+    trainer = L.Trainer(max_epochs=3, limit_train_batches=4, limit_val_batches=1, val_check_interval=val_check_interval,
+                        callbacks=[probe, best], **quiet)  # fmt: skip
+    trainer.fit(Module())
+    files = sorted(p.name for p in tmp_path.glob("*.ckpt"))
+    if val_check_interval == 3:  # after the 3rd batch of each epoch: step 7 is one
+        assert probe.seen == [(3, False, True), (7, True, True)] and files == ["step=3.ckpt", "step=7.ckpt"]
+    else:  # at each epoch's end
+        assert probe.seen == [(4, False, True), (7, True, False)] and files == ["step=4.ckpt"], (probe.seen, files)

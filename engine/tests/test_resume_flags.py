@@ -3,6 +3,8 @@ ends bitwise equal to the uninterrupted run (weights, per-step loss and LR) unde
 when optimizer steps happen and when validation saves: single process in this process, and the flags together
 under 2-rank DDP in subprocesses."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -109,3 +111,52 @@ def test_a_fit_stopped_mid_epoch_then_continued_is_exact(tmp_path):
     # Lightning validates when a fit stops mid-epoch: one more val/acc point, logged at step 26 (after step 27, as
     # epoch 0's is at 19); the others are the same
     assert [p for p in logged["val/acc"] if p[0] != 26] == ref_logged["val/acc"]
+
+
+JUDGES = ["--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor=val/loss",
+          "--trainer.callbacks.patience=2", "--trainer.callbacks.min_delta=10",
+          "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.monitor=val/acc",
+          "--trainer.callbacks.mode=max", "--trainer.callbacks.save_top_k=1",
+          "--trainer.callbacks.filename={step}"]  # fmt: skip
+
+
+# 20 steps an epoch in one process, 10 on 2 ranks: each stops mid-epoch 1
+@pytest.mark.parametrize("ranks, stop_at, steps", [(1, 27, 60), pytest.param(2, 17, 30, marks=pytest.mark.long)])
+def test_what_judges_a_run_stopped_mid_epoch_judges_it_as_the_uninterrupted_run(tmp_path, ranks, stop_at, steps):
+    """Lightning validates where a fit stops mid-epoch (max_time, should_stop) and runs the epoch's end hooks there.
+    An EarlyStopping (patience 2; after the first, no val/loss improves by 10) and a top-1 ModelCheckpoint by val/acc
+    judged that validation: continued, the run stopped after epoch 1 (40 steps of 60), and a save at the stop could
+    delete the file the uninterrupted run keeps. Now the stop's validation is only logged: the continued run ends as
+    the uninterrupted one (steps, weights, EarlyStopping's state, the kept file), in one process and on 2 ranks."""
+    args = [*BASE, *JUDGES, *(DDP2 if ranks == 2 else [])]
+    stop = ["--trainer.callbacks+=tests.faults.StopAt", f"--trainer.callbacks.step={stop_at}"]
+    if ranks == 1:
+        cli_in_process("fit", *args, root=tmp_path / "reference" / "runs")
+        cli_in_process("fit", *args, *stop, root=tmp_path / "stopped" / "runs")
+    else:
+        for name in ("reference", "stopped"):
+            (tmp_path / name).mkdir()
+        cli("fit", *args, cwd=tmp_path / "reference")
+        cli("fit", *args, *stop, cwd=tmp_path / "stopped")
+    ref, _ = final(tmp_path / "reference" / "runs")
+    stopped, _ = final(tmp_path / "stopped" / "runs")
+    assert stopped["global_step"] == stop_at, "precondition: stopped mid-epoch 1"
+    if ranks == 1:
+        cli_in_process("fit", *args, "--ckpt_path", "last", root=tmp_path / "stopped" / "runs")
+    else:
+        cli("fit", *args, "--ckpt_path", "last", cwd=tmp_path / "stopped")
+    got, _ = final(tmp_path / "stopped" / "runs")
+
+    def judged(checkpoint) -> tuple[dict, list[str]]:
+        states = checkpoint["callbacks"]
+        (stop,) = [s for k, s in states.items() if k.startswith("EarlyStopping")]
+        (best,) = [s for k, s in states.items() if k.startswith("ModelCheckpoint{'monitor': 'val/acc'")]
+        return stop, [Path(p).name for p in best["best_k_models"]]
+
+    (ref_stop, ref_files), (stop, files) = judged(ref), judged(got)
+    print(f"steps {got['global_step']} / {ref['global_step']} | EarlyStopping {stop} | files {files} / {ref_files}")
+    assert got["global_step"] == ref["global_step"] == steps
+    assert stop == ref_stop and files == ref_files, (stop, ref_stop, files, ref_files)
+    assert (tmp_path / "stopped" / "runs" / RUN_NAME / "version_0" / "checkpoints" / files[0]).exists()
+    diffs = {k: (got["state_dict"][k] - v).abs().max().item() for k, v in ref["state_dict"].items()}
+    assert all(d == 0.0 for d in diffs.values()), diffs
