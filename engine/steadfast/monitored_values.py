@@ -51,18 +51,20 @@ class MonitoredValues(Callback):
         self._pending_saved = False  # that checkpoint was saved at its epoch's end, before its plateau step
         self._resumed = False  # this fit resumed: its first epoch's end is checked for Lightning's skip
         self._skipped: int | None = None  # the epoch whose plateau step Lightning skipped: taken next
-        self._before_stop: dict[str, Any] | None = None  # the judges' states before a mid-epoch stop's validation
+        # before a mid-epoch stop's validation: the states of the callbacks judging by a monitor, and the values
+        self._judges_before_stop: dict[str, Any] | None = None
+        self._values_before_stop: dict[str, torch.Tensor] | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
-        self._before_stop = None
+        self._judges_before_stop = self._values_before_stop = None
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
         if trainer is None or trainer.state.fn != "fit":
             return {}
-        if self._before_stop is not None:
-            return {"values": self._before_stop[_VALUES], "plateau_pending": False}
+        if self._values_before_stop is not None:
+            return {"values": self._values_before_stop, "plateau_pending": False}
         values = {}
         for key, value in trainer.callback_metrics.items():
             if isinstance(value, int | float):
@@ -77,9 +79,8 @@ class MonitoredValues(Callback):
             self._keep_the_judges_out_of_the_stop(trainer)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        if self._before_stop is not None:  # the judges as before the stop (this callback's state: state_dict)
-            states = {key: state for key, state in self._before_stop.items() if key != _VALUES}
-            checkpoint.setdefault("callbacks", {}).update(copy.deepcopy(states))
+        if self._judges_before_stop is not None:  # the judges as before the stop (this callback's: state_dict)
+            checkpoint.setdefault("callbacks", {}).update(self._judges_before_stop)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         self._epoch = checkpoint.get("epoch")
@@ -124,15 +125,11 @@ class MonitoredValues(Callback):
         """At a mid-epoch stop, before its validation (or its epoch's end hooks): the states of the callbacks that
         judge by a monitor, and the monitored values, are kept for the checkpoints written after it, and those
         ``ModelCheckpoint``s save no file at this step (listed first, this runs before their hooks)."""
-        if self._before_stop is not None:
+        if self._judges_before_stop is not None:
             return
         judges = [c for c in trainer.callbacks if isinstance(c, EarlyStopping | ModelCheckpoint) and c.monitor]
-        values = self.state_dict()["values"]
-        self._before_stop = {c.state_key: copy.deepcopy(c.state_dict()) for c in judges}
-        self._before_stop[_VALUES] = values
+        self._values_before_stop = self.state_dict()["values"]
+        self._judges_before_stop = {c.state_key: copy.deepcopy(c.state_dict()) for c in judges}
         for callback in judges:
             if isinstance(callback, ModelCheckpoint):
                 skip_saves_at_this_step(callback, trainer)
-
-
-_VALUES = "monitored values"  # beside the judges' state keys, which are class names with their arguments
