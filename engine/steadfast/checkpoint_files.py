@@ -12,6 +12,8 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
+from steadfast.compat_torch import uncompiled_key
+
 FilePath = str | os.PathLike  # a path; Lightning's own alias, `_PATH`, is private
 
 
@@ -59,8 +61,9 @@ def check_fits(path: FilePath, module: nn.Module) -> None:
 
     Lightning finds the same only after the run folder and its config exist, in a traceback of torch's list.
     """
-    saved = load_checkpoint_file(path, mmap=True)["state_dict"]
-    full = module.state_dict()
+    # keys as uncompiled: a module may compile a layer in configure_model, which this check does not run
+    saved = {uncompiled_key(k): v for k, v in load_checkpoint_file(path, mmap=True)["state_dict"].items()}
+    full = {uncompiled_key(k): v for k, v in module.state_dict().items()}
     here = {k: v for k, v in full.items() if isinstance(v, torch.Tensor) and not nn.parameter.is_lazy(v)}
     problems = [
         f"{key} is {list(saved[key].shape)} in the checkpoint, {list(value.shape)} here"

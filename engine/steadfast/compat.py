@@ -66,6 +66,12 @@ def request_stop_at_batch_end(trainer: L.Trainer, stop: bool = True) -> None:
     trainer._signal_connector.received_sigterm = stop
 
 
+def stop_requested(trainer: L.Trainer) -> bool:
+    """Whether every rank raises Lightning's ``SIGTERMException`` at the end of this batch: its SIGTERM handler's flag
+    (one process), or ``request_stop_at_batch_end``."""
+    return bool(trainer._signal_connector.received_sigterm)
+
+
 def sigterm_without_a_broadcast_per_batch(trainer: L.Trainer, on_sigterm: Callable[[], None]) -> Callable[[], None]:
     """Under DDP, Lightning (since 2.5.2) starts every training batch with a broadcast of rank 0's SIGTERM flag and
     a host read of it (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a blocking collective per step. Its SIGTERM

@@ -25,9 +25,11 @@ attribute, on a Lightning version where one changed (``LightningChanged``, ``ste
   ``epoch_progress`` and ``epoch_loop._num_ready_batches_reached``: a checkpoint saved at an epoch's end, before
   that step (``plateau_step_pending``); ``epoch_loop.scheduler_progress``, counting the step taken later as
   ``TrainingEpochLoop._update_learning_rates`` takes it (``step_the_plateau_schedulers``).
+- ``fit_loop.epoch_loop._should_accumulate``: a batch end in the middle of a gradient accumulation, where no save
+  or stop lands (``accumulating``, ``steadfast.signals``, ``steadfast.last_checkpoint``).
 - ``fit_loop.epoch_loop.batch_progress.is_last_batch`` and ``epoch_loop._should_check_val_fx``: a fit stopping
-  mid-epoch (``trainer.should_stop``: ``max_time``, a callback), and whether the validation Lightning runs there
-  would have run without the stop (``stopping_mid_epoch``, ``validation_due_without_the_stop``,
+  mid-epoch (``trainer.should_stop``: ``max_time``, a callback; ``max_steps``), and whether the validation Lightning
+  runs there would have run without the stop (``stopping_mid_epoch``, ``validation_due_without_the_stop``,
   ``steadfast.monitored_values``).
 - ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume from an epoch's last batch end
   (``start_the_epoch_lightning_skipped``, ``steadfast.resume``).
@@ -156,12 +158,24 @@ def step_the_plateau_schedulers(trainer: L.Trainer, epoch: int) -> None:
         raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
 
 
+def accumulating(trainer: L.Trainer) -> bool:
+    """Whether the training batch just ended took no optimizer step (``fit_loop.epoch_loop._should_accumulate``, as
+    Lightning decides): the gradients of the batches since the last step are in the parameters' ``.grad``, which no
+    checkpoint holds, so a save or a stop here would resume with that step's first batches left out."""
+    try:
+        return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
+
+
 def stopping_mid_epoch(trainer: L.Trainer) -> bool:
     """Whether the fit stops in the middle of an epoch: ``trainer.should_stop`` set (``max_time``'s ``Timer``, an
-    early stop, a callback) before the epoch's last batch (``fit_loop.epoch_loop.batch_progress.is_last_batch``).
-    Lightning then validates (``TrainingEpochLoop._should_check_val_fx``) and ends the epoch's hooks there."""
+    early stop, a callback) or ``max_steps`` reached, before the epoch's last batch
+    (``fit_loop.epoch_loop.batch_progress.is_last_batch``). Lightning then runs the epoch's end hooks there, and at
+    ``should_stop`` validates first (``TrainingEpochLoop._should_check_val_fx``)."""
+    reached = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
     try:
-        return trainer.should_stop and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        return (trainer.should_stop or reached) and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
     except AttributeError as error:
         raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
 

@@ -22,6 +22,9 @@ pytree, gloo); tests/test_compat.py fails, naming the attribute, on a torch vers
 - ``DataLoader._index_sampler``, the property its iterators read once to draw each batch's indices from (the batch
   sampler, or the sampler without automatic batching): ``index_sampler``; ``steadfast.own_orders`` puts one of its
   own in front of it.
+- ``torch.compile``'s module wrapper, ``torch._dynamo.eval_frame.OptimizedModule``, and the ``_orig_mod.`` its
+  ``state_dict`` keys carry: a module compiled in ``configure_model`` saves ``net._orig_mod.w`` for ``net.w``
+  (``uncompiled_key``, ``steadfast.checkpoint_files``; ``without_compiled_wrappers``, ``steadfast.export``).
 
 On a layout these functions do not know they raise ``LightningChanged`` (``steadfast.compat``).
 """
@@ -172,3 +175,25 @@ def index_sampler(loader: Any) -> Any:
     if not isinstance(prop, property):
         raise LightningChanged("torch.utils.data.DataLoader._index_sampler (its iterators' index sampler) is gone")
     return prop.fget(loader)  # type: ignore[misc]
+
+
+COMPILED_KEY_PART = "_orig_mod."  # what torch.compile's wrapper adds to its module's state_dict keys
+
+
+def uncompiled_key(key: str) -> str:
+    """``key`` of a ``state_dict`` as the module holds it uncompiled: ``net._orig_mod.w`` -> ``net.w``."""
+    return key.replace(COMPILED_KEY_PART, "")
+
+
+def without_compiled_wrappers(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with each ``torch.compile``d submodule (an ``OptimizedModule``) put back as the module it wraps:
+    the same parameters, keyed as the module built without ``configure_model``."""
+    try:
+        wrapper = torch._dynamo.eval_frame.OptimizedModule
+    except AttributeError:
+        raise LightningChanged("torch._dynamo.eval_frame.OptimizedModule is gone") from None
+    for child in list(module.modules()):
+        for attr, sub in list(child.named_children()):
+            if isinstance(sub, wrapper):
+                setattr(child, attr, sub._orig_mod)
+    return module

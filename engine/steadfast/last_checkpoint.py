@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from steadfast.agreement import AGREE_EVERY, Agreement
 from steadfast.compat import save_last_unless_saved_at_this_step
+from steadfast.compat_loops import accumulating
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -47,6 +48,7 @@ class LastCheckpoint(ModelCheckpoint):
         self._agreement: Agreement | None = None  # under DDP
         self._batch_ends = 0  # of this fit, the same count on every rank
         self._agreed = False  # a refresh read at an epoch's end, made at the next batch end
+        self._held_stop = False  # a stop that came mid-accumulation, made at the batch that steps
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -58,7 +60,17 @@ class LastCheckpoint(ModelCheckpoint):
         self._since = time.monotonic()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
-        if self._due(trainer) if self._agreement is None else self._agree(trainer, self._agreement):
+        due = self._due(trainer) if self._agreement is None else self._agree(trainer, self._agreement)
+        if accumulating(trainer):
+            # the step's gradients so far are in .grad, which no checkpoint holds: a save or a stop waits for the
+            # batch that steps (a stop: max_time's, a callback's; listed among the last, after them)
+            self._agreed = self._agreed or due  # under DDP: what the next batch end reads (one process: due again)
+            self._held_stop = self._held_stop or trainer.should_stop
+            trainer.should_stop = False
+            return
+        if self._held_stop:
+            trainer.should_stop, self._held_stop = True, False
+        if due:
             self._since = time.monotonic()
             save_last_unless_saved_at_this_step(self, trainer)
 

@@ -5,7 +5,8 @@ Under DDP the ranks agree on a stop without a collective the host waits for at e
 for, and ``AGREE_EVERY`` batches later every rank reads the sums, the same on all of them, and they stop together
 at that batch's end. A signal on any rank thus stops every rank within ``STOP_WITHIN`` (2 x 10 = 20) training
 batches (optimizer steps, without gradient accumulation), the batch it came in counted, and ``last.ckpt`` is saved
-there. One process decides at the end of the batch the signal came in.
+there. One process decides at the end of the batch the signal came in. A stop that falls in the middle of a gradient
+accumulation waits for the batch that takes its optimizer step: the gradients summed so far are in no checkpoint.
 """
 
 import os
@@ -23,7 +24,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from steadfast.agreement import AGREE_EVERY, Agreement
 from steadfast.checkpoint_io import wait_for_writes
-from steadfast.compat import request_stop_at_batch_end, sigterm_without_a_broadcast_per_batch
+from steadfast.compat import request_stop_at_batch_end, sigterm_without_a_broadcast_per_batch, stop_requested
+from steadfast.compat_loops import accumulating
 from steadfast.run_scope import handlers_kept
 
 # Exit codes of a run stopped by a signal after saving last.ckpt: 128 + the signal's number, as a shell reports a
@@ -147,8 +149,17 @@ class Preemption(Callback):
         if self._pending_signal is not None and self._slurm_handler is not None:
             signum, self._pending_signal = self._pending_signal, None
             self._slurm_handler(signum, None)
-        # one process: its own flag, nothing to agree on (Lightning stops on its SIGTERM itself)
-        sums = [0, int(self._ctrl_c)] if self._agreement is None else self._agree(self._agreement)
+        if self._agreement is None:  # one process: nothing to agree on; Lightning's handler sets its SIGTERM flag
+            sums = [int(self._sigterm or stop_requested(trainer)), int(self._ctrl_c)]
+        else:
+            sums = self._agree(self._agreement)
+        if any(sums) and accumulating(trainer):
+            # The gradients of this optimizer step's batches so far are in .grad, which no checkpoint holds: a
+            # resume from here would take the step on the rest of them only. Stop after the batch that steps.
+            request_stop_at_batch_end(trainer, stop=False)
+            self._sigterm = self._sigterm or (self._agreement is None and sums[0] > 0)
+            self._agreed = sums  # under DDP: what the next batch end reads (the same batch on every rank)
+            return
         if any(sums):
             self._preempted = sums[0] > 0  # a SIGTERM on any rank, before a Ctrl-C
             self._interrupted = not self._preempted

@@ -2,6 +2,7 @@
 
 import errno
 import io
+import math
 import os
 import signal
 from pathlib import Path
@@ -11,6 +12,7 @@ import lightning as L
 import torch
 
 from steadfast.checkpoint_io import AtomicCheckpointIO, wait_for_writes
+from steadfast.last_checkpoint import LastCheckpoint
 from steadfast.sharded.strategy import ShardedStrategy
 
 
@@ -25,15 +27,21 @@ class KillAt(L.Callback):
             (torchrun --max-restarts) then goes through.
         settle: First wait until the background checkpoint writes are on disk, so that the newest checkpoint is
             the one the test expects whatever the machine's load.
+        after: Batches of that step let through first (with gradient accumulation: die in the middle of a step).
     """
 
     def __init__(
-        self, step: int, sig: int = 9, rank: int | None = None, once_marker: str | None = None, settle: bool = False
-    ) -> None:
+        self, step: int, sig: int = 9, rank: int | None = None, once_marker: str | None = None, settle: bool = False,
+        after: int = 0,
+    ) -> None:  # fmt: skip
         self.step, self.sig, self.rank, self.once_marker, self.settle = step, sig, rank, once_marker, settle
+        self.after = after
 
     def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
         if trainer.global_step != self.step or self.rank not in (None, trainer.global_rank):
+            return
+        if self.after > 0:
+            self.after -= 1
             return
         if self.once_marker is not None:
             if Path(self.once_marker).exists():
@@ -48,6 +56,21 @@ def kill_at(step: int, sig: int = 9, settle: bool = False, **more: object) -> li
     """The command-line arguments that add :class:`KillAt` to a run (``more``: its other arguments, e.g. ``rank``)."""
     args = {"step": step, "sig": sig, "settle": str(settle).lower(), **more}
     return ["--trainer.callbacks+=tests.faults.KillAt", *(f"--trainer.callbacks.{k}={v}" for k, v in args.items())]
+
+
+class LastDueAt(L.Callback):
+    """Makes the engine's ``last.ckpt`` timer due at the first batch of the optimizer step after ``step``, as its
+    interval running out there would (with gradient accumulation: in the middle of that step)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.done = step, False
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
+        if trainer.global_step == self.step and not self.done:
+            self.done = True
+            for callback in trainer.callbacks:
+                if isinstance(callback, LastCheckpoint):
+                    callback._since = -math.inf
 
 
 class SignalInValidation(L.Callback):
@@ -339,11 +362,13 @@ class StopAt(L.Callback):
 
     Args:
         step: The optimizer step after which to stop.
+        after: Batch ends at that step let through first (with gradient accumulation: stop in the next step).
     """
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, after: int = 0) -> None:
+        self.step, self.after = step, after
 
     def on_train_batch_end(self, trainer: L.Trainer, *_: object) -> None:
         if trainer.global_step == self.step:
-            trainer.should_stop = True
+            trainer.should_stop = self.after <= 0
+            self.after -= 1

@@ -1187,3 +1187,41 @@ def test_a_fit_stopping_mid_epoch_validates_there_and_says_whether_it_was_due_an
         assert probe.seen == [(3, False, True), (7, True, True)] and files == ["step=3.ckpt", "step=7.ckpt"]
     else:  # at each epoch's end
         assert probe.seen == [(4, False, True), (7, True, False)] and files == ["step=4.ckpt"], (probe.seen, files)
+
+
+def test_a_batch_end_says_whether_it_stepped_and_a_max_steps_end_mid_epoch_is_a_stop_mid_epoch():
+    """Plain Lightning, 7 batches an epoch accumulated by 3: ``accumulating`` is true at exactly the batch ends
+    that took no optimizer step (the global step unchanged; the epoch's last batch steps), and
+    ``stop_requested`` reads what ``request_stop_at_batch_end`` sets. ``max_steps`` 4 ends the fit after epoch 1's
+    batch 3 of 7: ``stopping_mid_epoch`` says so at the epoch's end hooks Lightning runs there."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from steadfast.compat import request_stop_at_batch_end, stop_requested
+    from steadfast.compat_loops import accumulating, stopping_mid_epoch
+
+    class Probe(L.Callback):
+        def __init__(self) -> None:
+            self.steps_seen, self.said, self.ends = [], [], []
+
+        def on_train_batch_start(self, trainer, *_):
+            self.steps_seen.append(trainer.global_step)
+
+        def on_train_batch_end(self, trainer, *_):
+            stepped = trainer.global_step != self.steps_seen[-1]
+            self.said.append((accumulating(trainer), stepped))
+            request_stop_at_batch_end(trainer)
+            assert stop_requested(trainer)
+            request_stop_at_batch_end(trainer, stop=False)
+            assert not stop_requested(trainer)
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.ends.append((trainer.global_step, stopping_mid_epoch(trainer)))
+
+    probe = Probe()
+    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+    trainer = L.Trainer(max_steps=4, limit_train_batches=7, limit_val_batches=0, accumulate_grad_batches=3,
+                        enable_checkpointing=False, callbacks=[probe], **quiet)  # fmt: skip
+    trainer.fit(BoringModel())
+    assert [stepped for _, stepped in probe.said] == [False, False, True, False, False, True, True, False, False, True]
+    assert all(accumulating_ is not stepped for accumulating_, stepped in probe.said), probe.said
+    assert probe.ends == [(3, False), (4, True)], probe.ends

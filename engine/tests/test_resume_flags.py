@@ -3,6 +3,7 @@ ends bitwise equal to the uninterrupted run (weights, per-step loss and LR) unde
 when optimizer steps happen and when validation saves: single process in this process, and the flags together
 under 2-rank DDP in subprocesses."""
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,39 @@ def test_a_fit_stopped_mid_epoch_then_continued_is_exact(tmp_path):
     assert [p for p in logged["val/acc"] if p[0] != 26] == ref_logged["val/acc"]
 
 
+ACCUMULATE = ["--trainer.accumulate_grad_batches", "3"]  # 20 batches an epoch: steps after batch 3, 6, ..., 18, 20
+
+
+@pytest.mark.parametrize("how", ["sigterm", "timer", "should_stop"])
+def test_a_save_mid_accumulation_waits_for_the_step_and_the_resume_is_exact(tmp_path, how):
+    """The gradients of an accumulating step's first batches are in .grad, which no checkpoint holds: a SIGTERM in
+    step 18's first batch, a last.ckpt timer due there, or a stop (max_time's) in its second saved mid-step, and the
+    resume took step 18 on its last batches only (weights off by 7e-3, 'resume verified'). The save or stop now waits
+    for the batch that steps: the resumed run ends bitwise equal to the uninterrupted one."""
+    cli_in_process("fit", *BASE, *ACCUMULATE, root=tmp_path / "reference")
+    ref, ref_logged = final(tmp_path / "reference")
+    if how == "sigterm":  # sent at each of step 18's batches: saved after the third (Lightning's own: the first)
+        proc = cli("fit", *BASE, *ACCUMULATE, *kill_at(17, signal.SIGTERM), cwd=tmp_path, check=False)
+        assert proc.returncode == 143, proc.stderr[-2000:]
+    elif how == "should_stop":  # as max_time's Timer stops, in step 18's second batch: the fit's end saves
+        stop = ["--trainer.callbacks+=tests.faults.StopAt", "--trainer.callbacks.step=17",
+                "--trainer.callbacks.after=1"]  # fmt: skip
+        cli("fit", *BASE, *ACCUMULATE, *stop, cwd=tmp_path)
+    else:  # killed in step 18's third batch, the last.ckpt timer due in its first
+        due = ["--trainer.callbacks+=tests.faults.LastDueAt", "--trainer.callbacks.step=17"]
+        cli("fit", *BASE, *ACCUMULATE, *due, *kill_at(17, settle=True, after=2), cwd=tmp_path, check=False)
+    saved = torch.load(newest_checkpoint(tmp_path / "runs" / RUN_NAME / "version_0"), weights_only=True)
+    batches = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"]
+    print(f"{how}: the newest checkpoint is of step {saved['global_step']}, epoch {saved['epoch']} batch {batches}")
+    assert batches % 3 == 0, "saved mid-accumulation"
+    cli("fit", *BASE, *ACCUMULATE, "--ckpt_path", "last", cwd=tmp_path)
+    got, logged = final(tmp_path / "runs")
+    assert got["global_step"] == ref["global_step"] == 21
+    diffs = {k: (got["state_dict"][k] - v).abs().max().item() for k, v in ref["state_dict"].items()}
+    assert all(d == 0.0 for d in diffs.values()), diffs
+    assert logged["train/loss"] == ref_logged["train/loss"]
+
+
 JUDGES = ["--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor=val/loss",
           "--trainer.callbacks.patience=2", "--trainer.callbacks.min_delta=10",
           "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.monitor=val/acc",
@@ -121,15 +155,22 @@ JUDGES = ["--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor=val
 
 
 # 20 steps an epoch in one process, 10 on 2 ranks: each stops mid-epoch 1
+@pytest.mark.parametrize("how", ["should_stop", "max_steps"])
 @pytest.mark.parametrize("ranks, stop_at, steps", [(1, 27, 60), pytest.param(2, 17, 30, marks=pytest.mark.long)])
-def test_what_judges_a_run_stopped_mid_epoch_judges_it_as_the_uninterrupted_run(tmp_path, ranks, stop_at, steps):
-    """Lightning validates where a fit stops mid-epoch (max_time, should_stop) and runs the epoch's end hooks there.
-    An EarlyStopping (patience 2; after the first, no val/loss improves by 10) and a top-1 ModelCheckpoint by val/acc
-    judged that validation: continued, the run stopped after epoch 1 (40 steps of 60), and a save at the stop could
-    delete the file the uninterrupted run keeps. Now the stop's validation is only logged: the continued run ends as
-    the uninterrupted one (steps, weights, EarlyStopping's state, the kept file), in one process and on 2 ranks."""
+def test_what_judges_a_run_stopped_mid_epoch_judges_it_as_the_uninterrupted_run(tmp_path, ranks, stop_at, steps, how):
+    """Lightning validates where a fit stops mid-epoch by ``should_stop`` (max_time, a callback) and runs the epoch's
+    end hooks there; at a ``max_steps`` mid-epoch it runs them without validating. An EarlyStopping (patience 2;
+    after the first, no val/loss improves by 10) and a top-1 ModelCheckpoint by val/acc judged there (the stop's
+    validation, or the last one's values again): continued, the run stopped after epoch 1 (40 steps of 60), and a
+    save at the stop could delete the file the uninterrupted run keeps. Now neither judges at the stop: the
+    continued run (``max_steps`` left at its default) ends as the uninterrupted one (steps, weights, EarlyStopping's
+    state, the kept file), in one process and on 2 ranks."""
     args = [*BASE, *JUDGES, *(DDP2 if ranks == 2 else [])]
-    stop = ["--trainer.callbacks+=tests.faults.StopAt", f"--trainer.callbacks.step={stop_at}"]
+    if how == "max_steps":  # the schedule's horizon said (3 epochs), not fitted to the fit's max_steps
+        args += ["--model.max_schedule", "3"]
+        stop = ["--trainer.max_steps", str(stop_at)]
+    else:
+        stop = ["--trainer.callbacks+=tests.faults.StopAt", f"--trainer.callbacks.step={stop_at}"]
     if ranks == 1:
         cli_in_process("fit", *args, root=tmp_path / "reference" / "runs")
         cli_in_process("fit", *args, *stop, root=tmp_path / "stopped" / "runs")

@@ -41,3 +41,31 @@ def test_resume_on_another_number_of_threads_says_it_is_not_bit_exact(tmp_path, 
         torch.set_num_threads(threads)
     start = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Run /")][-1]  # the resume's
     assert f"the checkpoint was computed on {threads} CPU thread(s), this run on {threads + 1}" in start, start
+
+
+def test_a_net_compiled_in_configure_model_resumes_exactly_validates_and_exports_under_its_own_keys(tmp_path):
+    """``torch.compile`` in ``configure_model`` saves the network as ``net._orig_mod.*``. The check before a run
+    built the module without ``configure_model`` and refused every resume and validate of such a checkpoint ("a
+    different network ... net.layers.1.bias is missing"), naming a --config that did not help; the export wrote
+    ``_orig_mod`` keys that ``load_net`` could not load. Now: resumed mid-epoch bitwise equal to the uninterrupted
+    run, validated, and exported with the keys of the network as built (``load_net`` gives the checkpoint's)."""
+    from steadfast import load_net
+    from steadfast.export.formats import export
+
+    compiled = [*ARGS, "--model", "tests.fixtures.compiled.CompiledStandIn"]
+    cli_in_process("fit", *compiled, root=tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *compiled, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=10",
+                       root=tmp_path / "resumed")  # fmt: skip
+    last = tmp_path / "resumed" / RUN_NAME / "version_0" / "checkpoints" / "last.ckpt"
+    assert any("._orig_mod." in k for k in torch.load(last, weights_only=True)["state_dict"])  # the precondition
+    cli_in_process("fit", *compiled, "--ckpt_path", "last", root=tmp_path / "resumed")
+    ref = torch.load(str(last).replace("resumed", "reference"), weights_only=True)["state_dict"]
+    got = torch.load(last, weights_only=True)["state_dict"]
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    validated = cli_in_process("validate", *compiled, "--ckpt_path", "last", root=tmp_path / "resumed")
+    assert "val/acc" in validated.trainer.callback_metrics
+    (path,) = export(last, tmp_path / "export", ("safetensors",), say=lambda _: None)
+    loaded = load_net(path).state_dict()
+    as_built = {k.replace("._orig_mod.", "."): v for k, v in got.items()}
+    assert loaded.keys() == as_built.keys() and all(torch.equal(loaded[k], v) for k, v in as_built.items())

@@ -41,7 +41,7 @@ import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 
 from steadfast.checkpoint_files import load_checkpoint_file
-from steadfast.compat_torch import tree_leaves, tree_map
+from steadfast.compat_torch import tree_leaves, tree_map, without_compiled_wrappers
 from steadfast.config import its_arguments
 from steadfast.export.weights import build, save_net
 from steadfast.sharded.folders import full_state_dict
@@ -105,7 +105,9 @@ def load_checkpoint_module(
         module.load_state_dict(state_dict)
     except RuntimeError as error:
         raise ValueError(f"{ckpt_path} does not fit {recipe['class_path']}: {_reason(error)}") from None
-    return module.eval(), recipe, config
+    # a layer compiled there is exported as itself: its weights keyed as the module built from the recipe has them
+    # (load_net), its graph traced from the module's code
+    return without_compiled_wrappers(module).eval(), recipe, config
 
 
 def _two_samples(inputs: Any) -> Any:
