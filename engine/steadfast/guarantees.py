@@ -181,14 +181,16 @@ SWA = (
 
 
 def limit_notes(trainer: L.Trainer, split: str) -> list[str]:
-    """``limit_val_batches``/``limit_test_batches`` on more than one data-parallel rank, in the start line's words:
-    Lightning cuts each rank's own batches to the limit, while the engine gives each evaluation sample to exactly one
-    rank, so the ranks may evaluate other samples than one process would. Counted from the engine's split where a
-    loader has it (named only where the samples differ), else named as possible."""
+    """``limit_val_batches``/``limit_test_batches``, or an evaluation loader's ``drop_last``, on more than one
+    data-parallel rank, in the start line's words: Lightning cuts each rank's own batches (to the limit; its short
+    last one), while the engine gives each evaluation sample to exactly one rank, so the ranks may evaluate other
+    samples than one process would. Counted from the engine's split where a loader has it (named only where the
+    samples differ), else a limit is named as possible."""
     name, stage = f"limit_{split}_batches", {"val": "validation", "test": "test"}[split]
     limit = getattr(trainer, name)
+    limited = bool(limit) and not (isinstance(limit, float) and limit >= 1.0)
     world = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)  # under sharding, the data ranks
-    if world < 2 or not limit or (isinstance(limit, float) and limit >= 1.0):
+    if world < 2:
         return []
     loaders = getattr(trainer, f"{split}_dataloaders")
     flat = CombinedLoader(loaders).flattened if loaders is not None else [None]  # None: not built yet
@@ -196,20 +198,26 @@ def limit_notes(trainer: L.Trainer, split: str) -> list[str]:
     for i, loader in enumerate(flat):
         where = f"{split} loader {i}: " if len(flat) > 1 else ""
         sampler, size = getattr(loader, "sampler", None), getattr(loader, "batch_size", None)
+        if limited:
+            what, cut_at = f"{name} {limit}", limit
+        elif getattr(loader, "drop_last", False):  # each rank drops its own short last batch, one process one
+            what, cut_at = "drop_last", 1.0
+        else:
+            continue
         if not isinstance(sampler, ResumableSampler) or not size:
             notes.append(
-                f"{where}{name} {limit} applies per rank: each of the {world} ranks cuts its own share of the "
+                f"{where}{what} applies per rank: each of the {world} ranks cuts its own share of the "
                 f"{stage} samples, so its values may not be one process's"
             )
             continue
         shares = _shares(sampler)
-        cut = per_rank_limit(limit, shares, sampler.total, size, bool(loader.drop_last))
+        cut = per_rank_limit(cut_at, shares, sampler.total, size, bool(loader.drop_last))
         if cut is not None:
             (batches, samples), (one_batches, one_samples) = cut
             than = f"where one process evaluates {one_batches} ({one_samples})"
             than = than if samples != one_samples else f"not the {one_samples} one process evaluates"
             notes.append(
-                f"{where}{name} {limit} applies per rank: {len(shares)} ranks evaluate {batches} batches "
+                f"{where}{what} applies per rank: {len(shares)} ranks evaluate {batches} batches "
                 f"({samples} samples) a {stage} {than}, so its values are not one process's"
             )
     return notes

@@ -113,3 +113,17 @@ def test_an_evaluation_limit_under_ddp_is_named_as_applied_per_rank(command, lim
 )
 def test_a_per_rank_limit_is_counted_against_the_samples_one_process_evaluates(limit, shares, total, expected):
     assert per_rank_limit(limit, shares, total, 64, drop_last=False) == expected
+
+
+@pytest.mark.parametrize(
+    ("shares", "total", "expected"),
+    [
+        ([34, 34, 33], 101, ((9, 90), (10, 100))),  # each rank drops its short 4th batch, one process only 1 sample
+        ([50, 50], 100, None),  # 5 whole batches a rank: the 100 one process evaluates
+        ([51, 50], 101, None),  # each drops its 1 or 0 left over: positions 0-99, as one process
+    ],
+)
+def test_an_evaluation_loaders_drop_last_on_n_ranks_is_counted_against_one_process(shares, total, expected):
+    """drop_last=True in a validation loader of batch 10: Lightning drops each rank's short last batch."""
+    got = per_rank_limit(1.0, shares, total, 10, drop_last=True)
+    assert got == expected
