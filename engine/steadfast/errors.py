@@ -247,8 +247,22 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
-# Lightning's RuntimeError when DDP's reducer finds parameters without a gradient in a step (every rank raises it)
-UNUSED_PARAMETERS = "parameters that were not used in producing the loss"
+# Lightning's RuntimeErrors of a step that every rank raises alike, by a part of their message, with what to do
+KNOWN_RUNTIME_ERRORS = {
+    # DDP's reducer finds parameters without a gradient in a step
+    "parameters that were not used in producing the loss": (
+        "DDP found parameters that took no part in a step's loss (a GAN's other network, a branch not taken, a "
+        "layer not used): add --trainer.strategy ddp_find_unused_parameters_true, or make every parameter take part "
+        "in each step's loss"
+    ),
+    # MixedPrecision.clip_gradients refuses any optimizer with a fused step, also under bf16, where nothing is scaled
+    # (the check could be made for 16-mixed only, upstream: lightning/pytorch/plugins/precision/amp.py)
+    "does not allow for gradient clipping because it performs unscaling": (
+        "Lightning's mixed precision does not clip the gradients of a fused optimizer (fused=True, as in "
+        "AdamW(..., fused=True)), under bf16 too: pass fused=False to the optimizer in configure_optimizers, or "
+        "leave trainer.gradient_clip_val unset"
+    ),
+}
 
 
 @contextmanager
@@ -258,15 +272,12 @@ def one_line_errors() -> Iterator[None]:
     try:
         yield
     except RuntimeError as error:  # raised alike on every rank: said once, by rank 0, exit code 1 on each
-        if debug_requested() or UNUSED_PARAMETERS not in str(error):
+        said = [fix for part, fix in KNOWN_RUNTIME_ERRORS.items() if part in str(error)]
+        if debug_requested() or not said:
             raise
         if rank_zero_only.rank != 0:
             sys.exit(1)
-        sys.exit(
-            "error: DDP found parameters that took no part in a step's loss (a GAN's other network, a branch not "
-            "taken, a layer not used): add --trainer.strategy ddp_find_unused_parameters_true, or make every "
-            f"parameter take part in each step's loss ({DEBUG} shows the traceback)"
-        )
+        sys.exit(f"error: {said[0]} ({DEBUG} shows the traceback)")
     except RUN_ERRORS as error:
         if debug_requested():
             raise

@@ -385,3 +385,15 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoints_and_resume_works(
     proc = cli("fit", *common, "--trainer.max_epochs", "3", "--ckpt_path", "last", cwd=earlier)
     assert "resuming from" in proc.stdout + proc.stderr
     assert torch.load(last, weights_only=True)["global_step"] == 9
+
+
+def test_clipping_a_fused_optimizer_under_mixed_precision_is_one_line_naming_the_fix(earlier):
+    """The stand-in's AdamW is fused (as the example's): Lightning's mixed precision refuses to clip its gradients,
+    bf16 too, which ended in a 37-frame traceback after the start line. Now one line naming both ways out, and the
+    earlier run untouched."""
+    before = snapshot(earlier)
+    flags = ["--trainer.gradient_clip_val", "0.5", "--trainer.precision", "bf16-mixed"]
+    proc = cli("fit", *TINY, *SMALL, *flags, cwd=earlier, check=False, timeout=120)
+    assert_one_clear_error(proc.returncode, proc.stderr, "fused=True", "pass fused=False to the optimizer",
+                           "leave trainer.gradient_clip_val unset", exit_code=1)  # fmt: skip
+    assert {k: v for k, v in snapshot(earlier).items() if "version_0" in k} == before

@@ -1,8 +1,9 @@
 """What a fresh run's start line names under ``opts out:`` (``steadfast.guarantees``) for settings the README lists as
 not kept exact and that no other test reads: checkpointing off, a logger the engine does not know, augmenting loader
 workers with ``run.seed_per_sample`` off, the workers of a loader that keeps its own position, Lightning's
-``StochasticWeightAveraging`` and ``BaseFinetuning``. In this process, one short fit each; and, on 2 DDP ranks in subprocesses, an evaluation
-limit (``limit_val_batches``, ``limit_test_batches``), which Lightning applies per rank."""
+``StochasticWeightAveraging`` and ``BaseFinetuning``. In this process, one short fit each; and, on 2 DDP ranks in
+subprocesses, an evaluation limit (``limit_val_batches``, ``limit_test_batches``), which Lightning applies per rank,
+and an evaluation loader's ``drop_last``, counted."""
 
 import pytest
 from lightning.pytorch.callbacks import BaseFinetuning
