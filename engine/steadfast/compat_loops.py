@@ -26,7 +26,8 @@ attribute, on a Lightning version where one changed (``LightningChanged``, ``ste
   that step (``plateau_step_pending``); ``epoch_loop.scheduler_progress``, counting the step taken later as
   ``TrainingEpochLoop._update_learning_rates`` takes it (``step_the_plateau_schedulers``).
 - ``fit_loop.epoch_loop._should_accumulate``: a batch end in the middle of a gradient accumulation, where no save
-  or stop lands (``accumulating``, ``steadfast.signals``, ``steadfast.last_checkpoint``).
+  or stop lands (``accumulating``, ``steadfast.signals``, ``steadfast.last_checkpoint``), and a checkpoint saved
+  there says so on its resume (``batches_accumulated``, ``steadfast.resume``).
 - ``fit_loop.epoch_loop.batch_progress.is_last_batch`` and ``epoch_loop._should_check_val_fx``: a fit stopping
   mid-epoch (``trainer.should_stop``: ``max_time``, a callback; ``max_steps``), and whether the validation Lightning
   runs there would have run without the stop (``stopping_mid_epoch``, ``validation_due_without_the_stop``,
@@ -166,6 +167,17 @@ def accumulating(trainer: L.Trainer) -> bool:
         return bool(trainer.fit_loop.epoch_loop._should_accumulate())
     except AttributeError as error:
         raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
+
+
+def batches_accumulated(trainer: L.Trainer) -> int:
+    """The training batches whose gradients are summed in ``.grad`` for an optimizer step not yet taken, as of the
+    batch just ended (``batch_progress.current.ready``): 0 where it stepped."""
+    if not accumulating(trainer):
+        return 0
+    try:
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready) % trainer.accumulate_grad_batches
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop.batch_progress has no {error.name}") from None
 
 
 def stopping_mid_epoch(trainer: L.Trainer) -> bool:

@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torchmetrics import Metric
 
 from steadfast.compat_loops import (
+    batches_accumulated,
     load_the_loader_states_lightning_left,
     reopen_an_epoch_stopped_mid_way,
     rescale_batch_progress,
@@ -69,6 +70,7 @@ class ExactResume(Callback):
         self._not_trained: dict[str, Metric] = {}  # not updated by a training step yet: validation's, or unused
         self._metrics_to_restore: list[dict[str, dict[str, Any]]] | None = None
         self._loaded = False  # the checkpoint resumed from held this callback's state
+        self._mid_step = 0  # the batches into an accumulation the checkpoint was saved at
         self._next_batch: list[Any] | None = None  # the checkpoint's records of its next batch
         self._verdict: tuple[str, str] | None = None
         self._epoch_loop_afresh = False  # the checkpoint's ended epoch was counted complete (compat)
@@ -142,6 +144,9 @@ class ExactResume(Callback):
         trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
         if trainer is not None and trainer.state.fn == "fit" and trainer.train_dataloader is not None:
             more["next_batch"] = record(trainer)  # leaves the generators as they were
+            # a save in the middle of an optimizer step's batches (a ModelCheckpoint's of the user's on a timer, at a
+            # validation within a step): their gradients are in no checkpoint, which the resume says
+            more["mid_step"] = batches_accumulated(trainer)
         if trainer is None or trainer.world_size == 1:
             return {"ranks": [generator_states()], "metrics": [_metric_states(trained)], "threads": threads, **more}
         # the same metrics on every rank, so that every rank runs the same gathers
@@ -169,12 +174,22 @@ class ExactResume(Callback):
         self.saved_epoch_samples = state_dict.get("epoch_samples")
         self._threads_saved = state_dict.get("threads")  # absent from checkpoints written before it was saved
         self._next_batch = state_dict.get("next_batch")  # absent from those written before it was recorded
+        self._mid_step = state_dict.get("mid_step", 0)
 
     def verify(self, trainer: L.Trainer) -> tuple[str, str]:
         """``("verified" | "differs" | "unverified", words)`` for the start line: the resumed run's first batch
         against the checkpoint's record. Call it on every rank at the first training batch (it gathers once)."""
         if self._verdict is None:
             self._verdict = verdict(trainer, self._next_batch, resumed_from_lightning=not self._loaded)
+            if self._mid_step:
+                self._verdict = (
+                    "differs",
+                    (
+                        f"no: the checkpoint was saved {self._mid_step} batch(es) into optimizer step "
+                        f"{trainer.global_step + 1}'s gradient accumulation, whose gradients no checkpoint holds: that "
+                        "step is taken on its remaining batches only (the engine's own saves wait for the step)"
+                    ),
+                )
         return self._verdict
 
     def notes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:

@@ -1191,17 +1191,18 @@ def test_a_fit_stopping_mid_epoch_validates_there_and_says_whether_it_was_due_an
 
 def test_a_batch_end_says_whether_it_stepped_and_a_max_steps_end_mid_epoch_is_a_stop_mid_epoch():
     """Plain Lightning, 7 batches an epoch accumulated by 3: ``accumulating`` is true at exactly the batch ends
-    that took no optimizer step (the global step unchanged; the epoch's last batch steps), and
+    that took no optimizer step (the global step unchanged; the epoch's last batch steps), ``batches_accumulated``
+    counts the batches summed since the last step, and
     ``stop_requested`` reads what ``request_stop_at_batch_end`` sets. ``max_steps`` 4 ends the fit after epoch 1's
     batch 3 of 7: ``stopping_mid_epoch`` says so at the epoch's end hooks Lightning runs there."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     from steadfast.compat import request_stop_at_batch_end, stop_requested
-    from steadfast.compat_loops import accumulating, stopping_mid_epoch
+    from steadfast.compat_loops import accumulating, batches_accumulated, stopping_mid_epoch
 
     class Probe(L.Callback):
         def __init__(self) -> None:
-            self.steps_seen, self.said, self.ends = [], [], []
+            self.steps_seen, self.said, self.ends, self.counted = [], [], [], []
 
         def on_train_batch_start(self, trainer, *_):
             self.steps_seen.append(trainer.global_step)
@@ -1209,6 +1210,7 @@ def test_a_batch_end_says_whether_it_stepped_and_a_max_steps_end_mid_epoch_is_a_
         def on_train_batch_end(self, trainer, *_):
             stepped = trainer.global_step != self.steps_seen[-1]
             self.said.append((accumulating(trainer), stepped))
+            self.counted.append(batches_accumulated(trainer))
             request_stop_at_batch_end(trainer)
             assert stop_requested(trainer)
             request_stop_at_batch_end(trainer, stop=False)
@@ -1224,4 +1226,5 @@ def test_a_batch_end_says_whether_it_stepped_and_a_max_steps_end_mid_epoch_is_a_
     trainer.fit(BoringModel())
     assert [stepped for _, stepped in probe.said] == [False, False, True, False, False, True, True, False, False, True]
     assert all(accumulating_ is not stepped for accumulating_, stepped in probe.said), probe.said
+    assert probe.counted == [1, 2, 0, 1, 2, 0, 0, 1, 2, 0], probe.counted  # summed in .grad, not yet stepped
     assert probe.ends == [(3, False), (4, True)], probe.ends

@@ -69,3 +69,26 @@ def test_a_net_compiled_in_configure_model_resumes_exactly_validates_and_exports
     loaded = load_net(path).state_dict()
     as_built = {k.replace("._orig_mod.", "."): v for k, v in got.items()}
     assert loaded.keys() == as_built.keys() and all(torch.equal(loaded[k], v) for k, v in as_built.items())
+
+
+def test_a_checkpoint_saved_in_the_middle_of_an_accumulation_says_so_on_its_resume(tmp_path, capsys):
+    """A save of the user's own within an optimizer step's batches (here a ModelCheckpoint at a validation every 3
+    batches, accumulating 2; a timer's is the same): the first batch's gradients are in no checkpoint, so the resume
+    takes that step on its second batch only. It said `resume verified`; it now says no, naming the step, and the
+    resumed weights do differ from the uninterrupted run's (the oracle)."""
+    args = [*QUIET, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches",
+            "1", "--model.warmup", "1", "--trainer.accumulate_grad_batches", "2", "--trainer.val_check_interval", "3",
+            "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.save_top_k=-1",
+            "--trainer.callbacks.filename={step}-{epoch}-at-validation"]  # fmt: skip
+    cli_in_process("fit", *args, root=tmp_path)
+    run = tmp_path / RUN_NAME / "version_0" / "checkpoints"
+    mid = run / "step=1-epoch=0-at-validation.ckpt"  # after batch 3: step 2's first batch accumulated
+    assert torch.load(mid, weights_only=True)["global_step"] == 1
+    capsys.readouterr()
+    cli_in_process("fit", *args, "--ckpt_path", str(mid), root=tmp_path)
+    start = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Run /")][-1]
+    said = "exact resume: no: the checkpoint was saved 1 batch(es) into optimizer step 2's gradient accumulation"
+    assert said in start, start
+    ref = torch.load(run / "last.ckpt", weights_only=True)["state_dict"]
+    got = torch.load(tmp_path / RUN_NAME / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert any(not torch.equal(ref[k], got[k]) for k in ref)  # what it says: not the uninterrupted run's
