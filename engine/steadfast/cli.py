@@ -47,6 +47,7 @@ from steadfast.signals import Preemption
 from steadfast.speed.profiler import NoProfiler
 from steadfast.speed.switches import MatmulPrecision, Speed, SpeedSwitch
 from steadfast.stream_resume import StreamResume
+from steadfast.trainable import Trainable
 from steadfast.user_loaders import UserLoaders
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -196,6 +197,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             loaders,  # the engine's samplers in the user's loaders
             streams,
             resume,
+            Trainable(),  # which parameters train: across a resume, and synced under DDP
         ]
         if config.get("profiler") is None:
             kwargs["profiler"] = NoProfiler()

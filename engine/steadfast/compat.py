@@ -31,6 +31,9 @@ attribute, on a Lightning version where one changed.
   (``count_pending_saves_as_files``, ``steadfast.one_file_per_point``).
 - The keys LightningCLI adds to ``hparams`` (``CLI_HPARAM_KEYS``, ``steadfast.judge``).
 - The ``ddp`` launcher's ``procs`` (``launched_children``, ``steadfast.rank_failures``).
+- ``DDPStrategy._setup_model`` / ``_register_ddp_hooks``: a new ``DistributedDataParallel`` around the module mid-fit,
+  as ``configure_ddp`` built the first, when the parameters that train are no longer those DDP was built with
+  (``rewrap_ddp``, ``steadfast.trainable``).
 - The ``ddp`` launcher's ``_ChildProcessObserver`` thread and its ``_run``, made to wait for the engine's report of a
   failed rank before it kills every rank (``child_observer_waits``, ``steadfast.rank_failures``).
 
@@ -165,6 +168,22 @@ def skip_saves_at_this_step(callback: Any, trainer: L.Trainer) -> None:
     if not hasattr(callback, "_last_global_step_saved"):
         raise LightningChanged("ModelCheckpoint has no _last_global_step_saved")
     callback._last_global_step_saved = trainer.global_step
+
+
+def rewrap_ddp(trainer: L.Trainer) -> None:
+    """Wraps the module in a new ``DistributedDataParallel`` with the strategy's own arguments and comm hooks, as
+    ``DDPStrategy.configure_ddp`` did before the fit; every rank calls it at the same batch (DDP's constructor
+    checks the ranks' parameters and broadcasts rank 0's). The old wrapper's gradient hooks do nothing once its last
+    backward has ended. DDP takes the parameters that require a gradient when it is built, and never looks again."""
+    # The fix to propose upstream, on Lightning #20340 ("DDP doesn't work with BackboneFinetuning", open): the
+    # strategy rebuilds its wrapper when BaseFinetuning (or any hook) changes which parameters train.
+    # https://github.com/Lightning-AI/pytorch-lightning/issues/20340
+    strategy = trainer.strategy
+    for name in ("_setup_model", "_register_ddp_hooks"):
+        if not callable(getattr(type(strategy), name, None)):
+            raise LightningChanged(f"{type(strategy).__name__}.{name} is gone")
+    strategy.model = strategy._setup_model(strategy.lightning_module)
+    strategy._register_ddp_hooks()
 
 
 def loader_with_sampler(loader: Any, sampler: Any) -> Any:

@@ -5,7 +5,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, Callback, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -148,8 +148,6 @@ class Guarantees(Callback):
             )
         if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):  # the user's own
             out.append(SWA)
-        if any(isinstance(callback, BaseFinetuning) for callback in trainer.callbacks):
-            out.append(FINETUNING)
         if isinstance(trainer.strategy, ModelParallelStrategy) and trainer.world_size > 1:
             out.append("sharded: each rank evaluates a padded share, so a few validation samples count twice")
         out += [
@@ -183,15 +181,6 @@ class Guarantees(Callback):
 SWA = (
     "StochasticWeightAveraging: Lightning's callback starts its SWALR schedule and its average at an epoch's start, "
     "so a resume mid-epoch continues them inexactly (a resume at an epoch's end is exact)"
-)
-
-# Lightning #21901 (its fix, #21902, open): ``BaseFinetuning.setup`` freezes the layers again on every fit, and
-# ``on_fit_start`` puts the saved param groups back without their ``requires_grad``; measured, a resume after the
-# unfreeze trained the backbone for 25 optimizer steps where the uninterrupted run took 40.
-# https://github.com/Lightning-AI/pytorch-lightning/issues/21901
-FINETUNING = (
-    "BaseFinetuning: Lightning's callback freezes its layers again on a resume and unfreezes them only at its epoch, "
-    "so a resume after the unfreeze trains on with them frozen (Lightning #21901)"
 )
 
 

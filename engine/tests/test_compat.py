@@ -1228,3 +1228,37 @@ def test_a_batch_end_says_whether_it_stepped_and_a_max_steps_end_mid_epoch_is_a_
     assert all(accumulating_ is not stepped for accumulating_, stepped in probe.said), probe.said
     assert probe.counted == [1, 2, 0, 1, 2, 0, 0, 1, 2, 0], probe.counted  # summed in .grad, not yet stepped
     assert probe.ends == [(3, False), (4, True)], probe.ends
+
+
+def test_ddp_strategy_setup_model_and_register_ddp_hooks_wrap_the_module_again_with_what_trains_now(tmp_path):
+    """``rewrap_ddp``: ``DDPStrategy._setup_model`` builds a new ``DistributedDataParallel`` around the strategy's
+    module and ``_register_ddp_hooks`` takes no argument. DDP keeps the parameters that required a gradient when it
+    was built (``_get_ddp_logging_data``'s count): 1 of the layer's 2 with its bias frozen, both once built again.
+    One process in a gloo group of one (no Lightning launcher)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    from steadfast.compat import LightningChanged, rewrap_ddp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        module = BoringModel()
+        strategy = DDPStrategy(accelerator=CPUAccelerator(), parallel_devices=[torch.device("cpu")])
+        strategy.connect(module)
+        module.layer.bias.requires_grad_(False)
+        strategy.model = first = strategy._setup_model(module)  # as configure_ddp before the fit
+        assert first._get_ddp_logging_data()["num_parameter_tensors"] == 1
+        module.layer.bias.requires_grad_(True)
+        rewrap_ddp(SimpleNamespace(strategy=strategy))  # type: ignore[arg-type]
+        again = strategy.model
+        assert isinstance(again, DistributedDataParallel) and again is not first and again.module is module
+        assert again._get_ddp_logging_data()["num_parameter_tensors"] == 2
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(LightningChanged, match="_setup_model is gone"):
+        rewrap_ddp(SimpleNamespace(strategy=SimpleNamespace()))  # type: ignore[arg-type]

@@ -1,12 +1,11 @@
 """What a fresh run's start line names under ``opts out:`` (``steadfast.guarantees``) for settings the README lists as
 not kept exact and that no other test reads: checkpointing off, a logger the engine does not know, augmenting loader
 workers with ``run.seed_per_sample`` off, the workers of a loader that keeps its own position, Lightning's
-``StochasticWeightAveraging`` and ``BaseFinetuning``. In this process, one short fit each; and, on 2 DDP ranks in
+``StochasticWeightAveraging``. In this process, one short fit each; and, on 2 DDP ranks in
 subprocesses, an evaluation limit (``limit_val_batches``, ``limit_test_batches``), which Lightning applies per rank,
 and an evaluation loader's ``drop_last``, counted."""
 
 import pytest
-from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.loggers.logger import Logger
 
 from steadfast.guarantees import per_rank_limit
@@ -23,17 +22,6 @@ class OwnLogger(Logger):
 
     def log_hyperparams(self, params, *args, **kwargs) -> None:
         pass
-
-
-class FreezeFirstLayer(BaseFinetuning):
-    """The stand-in's first layer frozen until epoch 1, as Lightning's docs teach a BaseFinetuning."""
-
-    def freeze_before_training(self, pl_module) -> None:
-        self.freeze(pl_module.net.layers[1])
-
-    def finetune_function(self, pl_module, current_epoch, optimizer) -> None:
-        if current_epoch == 1:
-            self.unfreeze_and_add_param_group(pl_module.net.layers[1], optimizer)
 
 
 SHORT = [*QUIET, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
@@ -56,11 +44,8 @@ SHORT = [*QUIET, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "
         (["--trainer.callbacks+=StochasticWeightAveraging", "--trainer.callbacks.swa_lrs=0.01"],
          "StochasticWeightAveraging: Lightning's callback starts its SWALR schedule and its average at an epoch's "
          "start, so a resume mid-epoch continues them inexactly (a resume at an epoch's end is exact)"),
-        ([f"--trainer.callbacks+={__name__}.FreezeFirstLayer"],
-         "BaseFinetuning: Lightning's callback freezes its layers again on a resume and unfreezes them only at its "
-         "epoch, so a resume after the unfreeze trains on with them frozen (Lightning #21901)"),
     ],
-    ids=["checkpointing-off", "unknown-logger", "seed-per-sample-off", "own-position-workers", "swa", "finetuning"],
+    ids=["checkpointing-off", "unknown-logger", "seed-per-sample-off", "own-position-workers", "swa"],
 )  # fmt: skip
 def test_a_fresh_runs_start_line_names_what_the_settings_give_up(flags, named, tmp_path, capsys):
     cli_in_process("fit", *SHORT, *flags, root=tmp_path)

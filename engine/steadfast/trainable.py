@@ -1,0 +1,105 @@
+"""Which parameters train, kept across a resume and synced under DDP.
+
+``requires_grad`` and a BatchNorm's ``track_running_stats`` are in no ``state_dict``: a resume builds the module again
+as its code builds it. A callback that freezes layers and unfreezes them at an epoch, as Lightning's ``BaseFinetuning``
+does, freezes them again in its ``setup`` on every fit and unfreezes them only at that epoch, so a run resumed after
+it trained on with them frozen (Lightning #21901). Here each checkpoint names the parameters that do not train and
+the BatchNorms that do not track their statistics, and a resume sets them so before its first batch.
+
+Under DDP, ``DistributedDataParallel`` syncs the gradients of the parameters that required one when it was built,
+before the fit, and never looks again: a layer unfrozen later trained on each rank's own gradient, and the ranks'
+weights parted from the unfreeze on (measured: 0.029 apart after 2 epochs on 2 ranks, each rank's checkpoint
+another model; Lightning #20340). Here each training batch starts by comparing the parameters that train with those
+DDP syncs, and where they differ, DDP is built again around the module (``compat.rewrap_ddp``), at the same batch
+on every rank (the change comes from a hook every rank runs, or from a resume every rank makes), and the start of
+the first training batch after it says so. A parameter unfrozen during a training step, whose gradient DDP did not
+sync, is refused in one line before the optimizer steps.
+"""
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_only
+from torch.nn.parallel import DistributedDataParallel
+
+from steadfast.compat import rewrap_ddp
+
+
+class Trainable(Callback):
+    """Saves which parameters train (and which BatchNorms track their statistics) in each checkpoint, sets them again
+    on resume, and keeps DDP syncing exactly those that train (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._saved: dict[str, list[str]] | None = None  # the checkpoint's record, until the resumed fit sets it
+        self._module: L.LightningModule | None = None
+        self._params: list[tuple[str, torch.nn.Parameter]] = []  # the module's, in order
+        self._synced: list[bool] | None = None  # under DDP: which of them DDP syncs (requires_grad when it was built)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._module = pl_module
+
+    def state_dict(self) -> dict[str, Any]:
+        module = self._module
+        if module is None:
+            return {}
+        return {
+            "frozen": [name for name, p in module.named_parameters() if not p.requires_grad],
+            # BatchNorms (and InstanceNorms) whose statistics a freeze stopped (Lightning's ``freeze_module``)
+            "untracked": [n for n, m in module.named_modules() if getattr(m, "track_running_stats", None) is False],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved = state_dict if "frozen" in state_dict else None  # absent from checkpoints before engine 1.6.3
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # DDP wrapped the module in the strategy's setup, after every callback's setup and the module's configure_model
+        self._params = list(pl_module.named_parameters())
+        ddp = isinstance(trainer.strategy, DDPStrategy) and isinstance(trainer.strategy.model, DistributedDataParallel)
+        self._synced = [p.requires_grad for _, p in self._params] if ddp and trainer.world_size > 1 else None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        saved, self._saved = self._saved, None
+        if saved is None or trainer.ckpt_path is None:
+            return
+        frozen, untracked = set(saved["frozen"]), set(saved["untracked"])
+        for name, param in pl_module.named_parameters():
+            param.requires_grad_(name not in frozen)
+        for name, module in pl_module.named_modules():
+            if hasattr(module, "track_running_stats"):
+                module.track_running_stats = name not in untracked
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._synced is None:
+            return
+        now = [p.requires_grad for _, p in self._params]
+        if now == self._synced:
+            return
+        changed = [name for (name, _), a, b in zip(self._params, now, self._synced, strict=True) if a != b]
+        rewrap_ddp(trainer)
+        self._synced = now
+        more = f", ... ({len(changed)} in all)" if len(changed) > 3 else ""
+        rank_zero_only(print)(
+            f"Step {trainer.global_step}: the parameters that train changed ({', '.join(changed[:3])}{more}): "
+            "DistributedDataParallel built again around the module, so that it syncs their gradients",
+            flush=True,
+        )
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self._synced is None:
+            return
+        # a gradient DDP did not sync: the parameter was unfrozen after this batch's start (in the step itself)
+        unsynced = [n for (n, p), synced in zip(self._params, self._synced, strict=True)
+                    if not synced and p.requires_grad and p.grad is not None]  # fmt: skip
+        if unsynced:
+            raise MisconfigurationException(  # every rank alike: one line
+                f"{', '.join(unsynced[:3])}{', ...' if len(unsynced) > 3 else ''} began to train during training step "
+                f"{trainer.global_step} under DDP, which did not sync their gradients: the ranks would part. Unfreeze "
+                "in a hook before the batch (on_train_epoch_start, on_train_batch_start: BaseFinetuning does), where "
+                "the engine builds DDP again around the module"
+            )
