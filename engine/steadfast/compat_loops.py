@@ -28,12 +28,16 @@ attribute, on a Lightning version where one changed (``LightningChanged``, ``ste
 - ``fit_loop.epoch_loop._should_accumulate``: a batch end in the middle of a gradient accumulation, where no save
   or stop lands (``accumulating``, ``steadfast.signals``, ``steadfast.last_checkpoint``), and a checkpoint saved
   there says so on its resume (``batches_accumulated``, ``steadfast.resume``).
+- ``batch_progress.current.ready`` ahead of ``processed``: a save while a training batch was under way (an
+  exception's), which its resume names (``batch_under_way``, ``steadfast.resume``).
 - ``fit_loop.epoch_loop.batch_progress.is_last_batch`` and ``epoch_loop._should_check_val_fx``: a fit stopping
   mid-epoch (``trainer.should_stop``: ``max_time``, a callback; ``max_steps``), and whether the validation Lightning
   runs there would have run without the stop (``stopping_mid_epoch``, ``validation_due_without_the_stop``,
   ``steadfast.monitored_values``).
 - ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume from an epoch's last batch end
-  (``start_the_epoch_lightning_skipped``, ``steadfast.resume``).
+  (``start_the_epoch_lightning_skipped``, ``steadfast.resume``), and on a resume mid-epoch (``FitLoop``'s
+  ``restarted_mid_epoch``), where a ``GradientAccumulationScheduler`` would leave the accumulation as configured
+  (``steadfast.resume`` sets the schedule's).
 - ``fit_loop.epoch_loop._batches_that_stepped``: the step Lightning gives the loggers (one per batch that stepped,
   whatever the optimizer steps in it), read to know which logged steps a checkpoint covers
   (``logging_step``, ``steadfast.run_folder``).
@@ -178,6 +182,18 @@ def batches_accumulated(trainer: L.Trainer) -> int:
         return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready) % trainer.accumulate_grad_batches
     except AttributeError as error:
         raise LightningChanged(f"fit_loop.epoch_loop.batch_progress has no {error.name}") from None
+
+
+def batch_under_way(trainer: L.Trainer) -> int | None:
+    """The index in its epoch of the training batch fetched and not yet trained (its step not done: a save from an
+    exception raised in ``on_train_batch_start`` or the step, as ``OnExceptionCheckpoint``'s), else ``None``: at a
+    batch end Lightning has counted the batch processed (``batch_progress.current.processed == ready``)."""
+    try:
+        current = trainer.fit_loop.epoch_loop.batch_progress.current
+        ready, processed = int(current.ready), int(current.processed)
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_loop.batch_progress has no {error.name}") from None
+    return ready - 1 if ready > processed else None
 
 
 def stopping_mid_epoch(trainer: L.Trainer) -> bool:

@@ -6,10 +6,11 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from torchmetrics import Metric
 
 from steadfast.compat_loops import (
+    batch_under_way,
     batches_accumulated,
     load_the_loader_states_lightning_left,
     reopen_an_epoch_stopped_mid_way,
@@ -71,6 +72,8 @@ class ExactResume(Callback):
         self._metrics_to_restore: list[dict[str, dict[str, Any]]] | None = None
         self._loaded = False  # the checkpoint resumed from held this callback's state
         self._mid_step = 0  # the batches into an accumulation the checkpoint was saved at
+        self._mid_batch: list[int] | None = None  # [epoch, batch] under way when the checkpoint was saved
+        self._scheduled = False  # a resumed fit's first batch sets a GradientAccumulationScheduler's accumulation
         self._next_batch: list[Any] | None = None  # the checkpoint's records of its next batch
         self._verdict: tuple[str, str] | None = None
         self._epoch_loop_afresh = False  # the checkpoint's ended epoch was counted complete (compat)
@@ -105,6 +108,9 @@ class ExactResume(Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._scheduled:  # before the batch: Lightning reads the accumulation as it runs it
+            self._scheduled = False
+            _set_the_scheduled_accumulation(trainer)
         if batch_idx == 0 and self._epoch_started != trainer.current_epoch:
             # Resumed from a checkpoint taken at the previous epoch's last batch end, Lightning 2.6 starts this
             # epoch without calling on_train_epoch_start: the module's epoch-start work (e.g. resetting train
@@ -147,6 +153,10 @@ class ExactResume(Callback):
             # a save in the middle of an optimizer step's batches (a ModelCheckpoint's of the user's on a timer, at a
             # validation within a step): their gradients are in no checkpoint, which the resume says
             more["mid_step"] = batches_accumulated(trainer)
+            # a save from an exception (OnExceptionCheckpoint's) while a batch was fetched and not trained: the
+            # position and the record count that batch as trained
+            under_way = batch_under_way(trainer)
+            more["mid_batch"] = [trainer.current_epoch, under_way] if under_way is not None else None
         if trainer is None or trainer.world_size == 1:
             return {"ranks": [generator_states()], "metrics": [_metric_states(trained)], "threads": threads, **more}
         # the same metrics on every rank, so that every rank runs the same gathers
@@ -175,13 +185,24 @@ class ExactResume(Callback):
         self._threads_saved = state_dict.get("threads")  # absent from checkpoints written before it was saved
         self._next_batch = state_dict.get("next_batch")  # absent from those written before it was recorded
         self._mid_step = state_dict.get("mid_step", 0)
+        self._mid_batch = state_dict.get("mid_batch")
 
     def verify(self, trainer: L.Trainer) -> tuple[str, str]:
         """``("verified" | "differs" | "unverified", words)`` for the start line: the resumed run's first batch
         against the checkpoint's record. Call it on every rank at the first training batch (it gathers once)."""
         if self._verdict is None:
             self._verdict = verdict(trainer, self._next_batch, resumed_from_lightning=not self._loaded)
-            if self._mid_step:
+            if self._mid_batch is not None:
+                epoch, batch = self._mid_batch
+                self._verdict = (
+                    "differs",
+                    (
+                        f"no: the checkpoint was saved while training batch {batch} of epoch {epoch} was under way (an "
+                        "exception's save, as OnExceptionCheckpoint's): the resume goes on after that batch, which "
+                        "was never trained, with the random streams as they were at the exception"
+                    ),
+                )
+            elif self._mid_step:
                 self._verdict = (
                     "differs",
                     (
@@ -228,6 +249,12 @@ class ExactResume(Callback):
             samples = _epoch_samples(trainer, shape)
             note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, shape)
             out += [note] if note is not None else []
+        scheduled = any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)
+        if resized is not None and resized[0] != resized[1] and scheduled:
+            out.append(
+                "GradientAccumulationScheduler: its accumulation counts this run's micro-batches, so from its next "
+                "change on the global batch is not the checkpoint's run's"
+            )
         if resized is not None and resized[0] != resized[1] and has_batch_norm(pl_module):
             before, after = resized
             out.append(
@@ -241,6 +268,8 @@ class ExactResume(Callback):
             start_the_epoch_loop_afresh(trainer)
             self._epoch_loop_afresh = False
         if trainer.ckpt_path is not None:
+            resized = self.batches.resized
+            self._scheduled = resized is None or resized[0] == resized[1]
             load_the_loader_states_lightning_left(trainer)  # after estimated_stepping_batches (Lightning #20550)
             watch(trainer)  # its first batch, for ``verify``
         resized = self.batches.resized
@@ -253,6 +282,15 @@ class ExactResume(Callback):
             self._metrics_to_restore = None  # each rank's share of an epoch's metrics belongs to its old data split
             return
         set_generator_states(ranks[trainer.global_rank])
+
+
+def _set_the_scheduled_accumulation(trainer: L.Trainer) -> None:
+    """A ``GradientAccumulationScheduler`` sets the epoch's accumulation in ``on_train_epoch_start``, which Lightning
+    does not call on a resume mid-epoch or from an epoch's last batch end: the resumed run accumulated as configured
+    (measured: 20 optimizer steps where the uninterrupted run took 18). Its value is a function of the epoch."""
+    for callback in trainer.callbacks:  # the user's own: Lightning's callback, found as the start line finds SWA
+        if isinstance(callback, GradientAccumulationScheduler):
+            trainer.accumulate_grad_batches = callback.get_accumulate_grad_batches(trainer.current_epoch)
 
 
 def _epoch_samples(trainer: L.Trainer, shape: Shape) -> float:

@@ -1262,3 +1262,34 @@ def test_ddp_strategy_setup_model_and_register_ddp_hooks_wrap_the_module_again_w
         dist.destroy_process_group()
     with pytest.raises(LightningChanged, match="_setup_model is gone"):
         rewrap_ddp(SimpleNamespace(strategy=SimpleNamespace()))  # type: ignore[arg-type]
+
+
+def test_a_batch_fetched_and_not_yet_trained_is_under_way_until_its_step_is_done():
+    """``batch_under_way``: Lightning counts a training batch ready before ``on_train_batch_start`` and processed
+    after its step, so from that hook until the step is done the batch's index is under way (what an exception's
+    save, ``OnExceptionCheckpoint``'s, sees), and at the batch end nothing is."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from steadfast.compat_loops import batch_under_way
+
+    class Probe(L.Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, int | None, int | None]] = []
+            self.in_step: int | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.at_start = batch_under_way(trainer)
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self.in_step = batch_under_way(trainer)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append((batch_idx, self.at_start, self.in_step))
+            assert batch_under_way(trainer) is None
+
+    probe = Probe()
+    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+    trainer = L.Trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=0, callbacks=[probe],
+                        enable_checkpointing=False, **quiet)  # fmt: skip
+    trainer.fit(BoringModel())
+    assert probe.seen == [(i, i, i) for i in (0, 1, 2)] * 2

@@ -1,0 +1,89 @@
+"""What Lightning's own callbacks set at an epoch's start, on a resume that Lightning starts without calling
+``on_train_epoch_start`` (mid-epoch): a ``GradientAccumulationScheduler``'s accumulation; and at an epoch's start
+after a checkpoint of the previous epoch's last batch end, which was exact already and stays so. And a checkpoint
+saved while a batch was under way (an exception's save: ``OnExceptionCheckpoint``), whose resume cannot be exact
+and says so. Oracle: the uninterrupted run."""
+
+import pytest
+import torch
+
+from tests.faults import kill_at
+from tests.helpers import DDP2, QUIET, RUN_NAME, cli, cli_in_process, max_abs_diff, run_dirs
+
+BASE = [*QUIET, "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "1",
+        "--model.warmup", "1"]  # fmt: skip
+SCHEDULED = [
+    *BASE,
+    "--trainer.callbacks+=GradientAccumulationScheduler",
+    '--trainer.callbacks.scheduling={"0": 1, "2": 2}',
+]
+
+
+def saving_every(steps: int) -> list[str]:
+    return ["--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.every_n_train_steps={steps}",
+            "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
+            "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+
+
+def _last(root):
+    return root / RUN_NAME / "version_0" / "checkpoints" / "last.ckpt"
+
+
+@pytest.mark.parametrize(
+    ("every", "crash", "where"),
+    [(13, 14, "mid-epoch: epoch 2, after its first optimizer step of 2 batches"),
+     (12, 13, "at epoch 1's last batch end: epoch 2 starts on the resume, with the scheduler's hook")],
+    ids=["mid-epoch", "epoch-end"],
+)  # fmt: skip
+def test_a_scheduled_accumulation_is_the_schedules_after_a_resume_lightning_starts_without_its_hook(
+    every, crash, where, tmp_path, capsys
+):
+    """Accumulation 1 in epochs 0-1 and 2 from epoch 2 (6 batches an epoch: 18 optimizer steps). Resumed mid-epoch,
+    Lightning does not call the scheduler's ``on_train_epoch_start``, so the resumed run accumulated 1 (20 steps,
+    weights 5.0e-3 off, measured). Now 18 steps, bit-equal to the uninterrupted run; from the epoch's end too."""
+    cli_in_process("fit", *SCHEDULED, *saving_every(every), root=tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *SCHEDULED, *saving_every(every), "--trainer.callbacks+=tests.faults.CrashAt",
+                       f"--trainer.callbacks.step={crash}", root=tmp_path / "resumed")  # fmt: skip
+    assert torch.load(_last(tmp_path / "resumed"), weights_only=True)["global_step"] == every, where
+    cli_in_process("fit", *SCHEDULED, *saving_every(every), "--ckpt_path", "last", root=tmp_path / "resumed")
+    ref = torch.load(_last(tmp_path / "reference"), weights_only=True)
+    got = torch.load(_last(tmp_path / "resumed"), weights_only=True)
+    assert (got["global_step"], ref["global_step"]) == (18, 18)
+    assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
+
+
+@pytest.mark.long
+def test_a_scheduled_accumulation_on_2_ranks_resumed_mid_epoch_is_the_schedules(tmp_path):
+    """The same on 2 DDP ranks (6 batches an epoch on each), killed at step 14 after last.ckpt of step 13: 18 steps,
+    bit-equal (measured before: 20, weights 5.1e-3 off)."""
+    flags = [*DDP2, *SCHEDULED, *saving_every(13)]
+    for name in ("reference", "resumed"):
+        (tmp_path / name).mkdir()
+    cli("fit", *flags, cwd=tmp_path / "reference")
+    cli("fit", *flags, *kill_at(14, settle=True), cwd=tmp_path / "resumed", check=False)
+    last = run_dirs(tmp_path / "resumed")[-1] / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 13
+    cli("fit", *flags, "--ckpt_path", "last", cwd=tmp_path / "resumed")
+    ref, got = (torch.load(run_dirs(tmp_path / n)[-1] / "checkpoints" / "last.ckpt", weights_only=True)
+                for n in ("reference", "resumed"))  # fmt: skip
+    assert (got["global_step"], ref["global_step"]) == (18, 18)
+    assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
+
+
+def test_a_checkpoint_saved_while_a_batch_was_under_way_says_so_on_its_resume(tmp_path, capsys):
+    """``OnExceptionCheckpoint`` saves when the crash comes, at the start of step 10's batch (epoch 1, batch 4),
+    fetched and never trained. The engine's record counted it as trained: the resume went on from batch 5 under
+    ``resume verified`` (weights 1.6e-2 off the uninterrupted run, measured). The resume now says it is not exact."""
+    exc = tmp_path / "exc"
+    flags = [*BASE, "--trainer.callbacks+=OnExceptionCheckpoint", f"--trainer.callbacks.dirpath={exc}"]
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *flags, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=10",
+                       root=tmp_path)  # fmt: skip
+    saved = torch.load(exc / "on_exception.ckpt", weights_only=True)
+    progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+    assert (progress["ready"], progress["processed"]) == (5, 4)
+    capsys.readouterr()
+    cli_in_process("fit", *flags, "--ckpt_path", str(exc / "on_exception.ckpt"), root=tmp_path)
+    start = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Run /")][-1]
+    assert "exact resume: no: the checkpoint was saved while training batch 4 of epoch 1 was under way" in start, start
