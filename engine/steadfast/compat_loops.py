@@ -305,10 +305,11 @@ def rescale_batch_progress(trainer: L.Trainer, before: int, after: int) -> None:
 
 
 def start_the_epoch_lightning_skipped(pl_module: L.LightningModule) -> None:
-    """Lightning 2.6 starts the epoch after a resume from a checkpoint taken at the previous epoch's last batch end
-    without calling ``on_train_epoch_start``: the module's epoch-start work (e.g. resetting train metrics) would be
-    skipped and the resumed run would differ from the uninterrupted one. The caller calls this only when the hook
-    did not run for this epoch, so on a Lightning that calls it, this is never reached."""
+    """Lightning 2.6 starts the epoch a resume lands in without calling ``on_train_epoch_start``: mid-epoch
+    (``FitLoop.restarted_mid_epoch``), and after a checkpoint taken at the previous epoch's last batch end. The
+    module's epoch-start work (e.g. a loss weight set from the epoch, train metrics reset) would be skipped and the
+    resumed run would differ from the uninterrupted one. The caller calls this only when the hook did not run for
+    this epoch, so on a Lightning that calls it, this is never reached."""
     pl_module.on_train_epoch_start()
 
 

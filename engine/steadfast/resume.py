@@ -111,10 +111,12 @@ class ExactResume(Callback):
         if self._scheduled:  # before the batch: Lightning reads the accumulation as it runs it
             self._scheduled = False
             _set_the_scheduled_accumulation(trainer)
-        if batch_idx == 0 and self._epoch_started != trainer.current_epoch:
-            # Resumed from a checkpoint taken at the previous epoch's last batch end, Lightning 2.6 starts this
-            # epoch without calling on_train_epoch_start: the module's epoch-start work (e.g. resetting train
-            # metrics) would be skipped and the resumed run would differ from the uninterrupted one.
+        if self._epoch_started != trainer.current_epoch:
+            # Resumed mid-epoch, or from a checkpoint taken at the previous epoch's last batch end, Lightning 2.6
+            # starts this epoch without calling on_train_epoch_start: the module's epoch-start work (a loss weight
+            # or curriculum stage set from the epoch, train metrics reset) would be skipped and the resumed run would
+            # differ from the uninterrupted one. Called again here, before the metric states of a mid-epoch resume
+            # are set (below); callbacks of the user's own with this hook are named in the start line (``notes``).
             start_the_epoch_lightning_skipped(pl_module)
             self._epoch_started = trainer.current_epoch
         metrics, self._metrics_to_restore = self._metrics_to_restore, None
@@ -249,8 +251,16 @@ class ExactResume(Callback):
             samples = _epoch_samples(trainer, shape)
             note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, shape)
             out += [note] if note is not None else []
-        scheduled = any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)
-        if resized is not None and resized[0] != resized[1] and scheduled:
+        if trainer.ckpt_path is not None and self._epoch_started != trainer.current_epoch:  # at the first batch
+            skipped = [type(c).__name__ for c in trainer.callbacks if _own_epoch_start(c)]
+            if skipped:
+                out.append(
+                    f"on_train_epoch_start of {', '.join(skipped)}: Lightning does not call a callback's epoch start "
+                    "on a resume inside an epoch, so what it sets for the epoch is as this process built it until the "
+                    "next epoch (the module's own is called)"
+                )
+        resized_now = resized is not None and resized[0] != resized[1]
+        if resized_now and any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
             out.append(
                 "GradientAccumulationScheduler: its accumulation counts this run's micro-batches, so from its next "
                 "change on the global batch is not the checkpoint's run's"
@@ -282,6 +292,14 @@ class ExactResume(Callback):
             self._metrics_to_restore = None  # each rank's share of an epoch's metrics belongs to its old data split
             return
         set_generator_states(ranks[trainer.global_rank])
+
+
+def _own_epoch_start(callback: Callback) -> bool:
+    """Whether ``callback`` has an ``on_train_epoch_start`` written outside Lightning and the engine (a subclass of
+    Lightning's callback that keeps Lightning's hook has not): what a resume inside an epoch skips."""
+    hook = getattr(type(callback), "on_train_epoch_start", None)
+    where = getattr(hook, "__module__", "") or ""
+    return hook is not Callback.on_train_epoch_start and not where.startswith(("lightning.", "steadfast."))
 
 
 def _set_the_scheduled_accumulation(trainer: L.Trainer) -> None:

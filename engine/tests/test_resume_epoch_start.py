@@ -87,3 +87,26 @@ def test_a_checkpoint_saved_while_a_batch_was_under_way_says_so_on_its_resume(tm
     cli_in_process("fit", *flags, "--ckpt_path", str(exc / "on_exception.ckpt"), root=tmp_path)
     start = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Run /")][-1]
     assert "exact resume: no: the checkpoint was saved while training batch 4 of epoch 1 was under way" in start, start
+
+
+def test_the_modules_own_epoch_start_runs_on_a_resume_inside_an_epoch_and_a_callbacks_is_named(tmp_path, capsys):
+    """The module sets its loss weight (1 + epoch) in ``on_train_epoch_start``, which Lightning does not call on a
+    resume inside epoch 2: the resumed run trained that epoch's rest at weight 1.0 where the uninterrupted run had
+    3.0. The engine calls the module's hook there: bit-equal. A callback of the user's own with that hook is named."""
+    flags = [*BASE, "--model", "tests.fixtures.epoch_start.EpochWeighted", *saving_every(13),
+             "--trainer.callbacks+=tests.fixtures.epoch_start.EpochNoted"]  # fmt: skip
+    cli_in_process("fit", *flags, root=tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *flags, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=14",
+                       root=tmp_path / "resumed")  # fmt: skip
+    capsys.readouterr()
+    cli_in_process("fit", *flags, "--ckpt_path", "last", root=tmp_path / "resumed")
+    ref = torch.load(_last(tmp_path / "reference"), weights_only=True)
+    got = torch.load(_last(tmp_path / "resumed"), weights_only=True)
+    assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
+    start = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Run /")][-1]
+    named = (
+        "opts out: on_train_epoch_start of EpochNoted: Lightning does not call a callback's epoch start on a resume "
+        "inside an epoch"
+    )
+    assert "exact resume: resume verified" in start and named in start, start
