@@ -34,9 +34,9 @@ attribute, on a Lightning version where one changed (``LightningChanged``, ``ste
   mid-epoch (``trainer.should_stop``: ``max_time``, a callback; ``max_steps``), and whether the validation Lightning
   runs there would have run without the stop (``stopping_mid_epoch``, ``validation_due_without_the_stop``,
   ``steadfast.monitored_values``).
-- ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume from an epoch's last batch end
-  (``start_the_epoch_lightning_skipped``, ``steadfast.resume``), and on a resume mid-epoch (``FitLoop``'s
-  ``restarted_mid_epoch``), where a ``GradientAccumulationScheduler`` would leave the accumulation as configured
+- ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume mid-epoch and from an epoch's last batch end
+  (``FitLoop.restarted_mid_epoch``: ``lightning_skips_the_epoch_start``; ``start_the_epoch_lightning_skipped``,
+  ``steadfast.resume``), where a ``GradientAccumulationScheduler`` would leave the accumulation as configured
   (``steadfast.resume`` sets the schedule's).
 - ``fit_loop.epoch_loop._batches_that_stepped``: the step Lightning gives the loggers (one per batch that stepped,
   whatever the optimizer steps in it), read to know which logged steps a checkpoint covers
@@ -302,6 +302,16 @@ def rescale_batch_progress(trainer: L.Trainer, before: int, after: int) -> None:
             )
         for count in COUNTS:
             setattr(tracker, count, samples // after + counts[name][count] - counts[name]["processed"])
+
+
+def lightning_skips_the_epoch_start(trainer: L.Trainer) -> bool:
+    """At ``on_train_start`` of a resumed fit: whether the fit loop will start the epoch the resume lands in without
+    ``on_train_epoch_start`` (``FitLoop.restarted_mid_epoch``: a checkpoint mid-epoch or of the previous epoch's last
+    batch end, ``trainer.current_epoch`` the epoch that trains next)."""
+    try:
+        return bool(trainer.fit_loop.restarted_mid_epoch)
+    except AttributeError:
+        raise LightningChanged("FitLoop.restarted_mid_epoch is gone") from None
 
 
 def start_the_epoch_lightning_skipped(pl_module: L.LightningModule) -> None:

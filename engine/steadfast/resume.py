@@ -12,6 +12,7 @@ from torchmetrics import Metric
 from steadfast.compat_loops import (
     batch_under_way,
     batches_accumulated,
+    lightning_skips_the_epoch_start,
     load_the_loader_states_lightning_left,
     reopen_an_epoch_stopped_mid_way,
     rescale_batch_progress,
@@ -74,6 +75,12 @@ class ExactResume(Callback):
         self._mid_step = 0  # the batches into an accumulation the checkpoint was saved at
         self._mid_batch: list[int] | None = None  # [epoch, batch] under way when the checkpoint was saved
         self._scheduled = False  # a resumed fit's first batch sets a GradientAccumulationScheduler's accumulation
+        # Lightning does not call on_train_epoch_start for the epoch a resume lands in (mid-epoch, or after a
+        # checkpoint of the previous epoch's last batch end): the module's epoch-start work (a loss weight or a
+        # curriculum stage set from the epoch, train metrics reset) would be skipped and the resumed run would differ
+        # from the uninterrupted one. The module's is called at on_train_start; callbacks of the user's own with the
+        # hook are named in the start line (``notes``).
+        self._epoch_start_skipped = False
         self._next_batch: list[Any] | None = None  # the checkpoint's records of its next batch
         self._verdict: tuple[str, str] | None = None
         self._epoch_loop_afresh = False  # the checkpoint's ended epoch was counted complete (compat)
@@ -111,12 +118,7 @@ class ExactResume(Callback):
         if self._scheduled:  # before the batch: Lightning reads the accumulation as it runs it
             self._scheduled = False
             _set_the_scheduled_accumulation(trainer)
-        if self._epoch_started != trainer.current_epoch:
-            # Resumed mid-epoch, or from a checkpoint taken at the previous epoch's last batch end, Lightning 2.6
-            # starts this epoch without calling on_train_epoch_start: the module's epoch-start work (a loss weight
-            # or curriculum stage set from the epoch, train metrics reset) would be skipped and the resumed run would
-            # differ from the uninterrupted one. Called again here, before the metric states of a mid-epoch resume
-            # are set (below); callbacks of the user's own with this hook are named in the start line (``notes``).
+        if self._epoch_started != trainer.current_epoch:  # not caught by on_train_start (a Lightning that moved it)
             start_the_epoch_lightning_skipped(pl_module)
             self._epoch_started = trainer.current_epoch
         metrics, self._metrics_to_restore = self._metrics_to_restore, None
@@ -251,7 +253,7 @@ class ExactResume(Callback):
             samples = _epoch_samples(trainer, shape)
             note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, shape)
             out += [note] if note is not None else []
-        if trainer.ckpt_path is not None and self._epoch_started != trainer.current_epoch:  # at the first batch
+        if self._epoch_start_skipped:
             skipped = [type(c).__name__ for c in trainer.callbacks if _own_epoch_start(c)]
             if skipped:
                 out.append(
@@ -282,6 +284,12 @@ class ExactResume(Callback):
             self._scheduled = resized is None or resized[0] == resized[1]
             load_the_loader_states_lightning_left(trainer)  # after estimated_stepping_batches (Lightning #20550)
             watch(trainer)  # its first batch, for ``verify``
+            if lightning_skips_the_epoch_start(trainer):
+                # before the epoch's iterator fetches a batch (a curriculum stage set on the dataset reaches it) and
+                # before the random streams are set (draws it makes are the uninterrupted run's, made before its save)
+                start_the_epoch_lightning_skipped(pl_module)
+                self._epoch_started = trainer.current_epoch
+                self._epoch_start_skipped = True
         resized = self.batches.resized
         if resized is not None and resized[0] != resized[1]:
             rescale_batch_progress(trainer, *resized)

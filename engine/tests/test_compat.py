@@ -1293,3 +1293,35 @@ def test_a_batch_fetched_and_not_yet_trained_is_under_way_until_its_step_is_done
                         enable_checkpointing=False, **quiet)  # fmt: skip
     trainer.fit(BoringModel())
     assert probe.seen == [(i, i, i) for i in (0, 1, 2)] * 2
+
+
+@pytest.mark.parametrize("step", [6, 4], ids=["mid-epoch", "last-batch-end"])
+def test_fit_loop_restarted_mid_epoch_says_at_train_start_that_lightning_skips_the_epoch_start(step, tmp_path):
+    """Plain Lightning, 4 batches an epoch: resumed from step 6 (epoch 1, batch 2) or step 4 (epoch 0's last batch
+    end), the fit loop starts epoch 1 without ``on_train_epoch_start``, and ``lightning_skips_the_epoch_start`` says
+    so at ``on_train_start`` (``current_epoch`` already 1); a fresh fit calls it and is not flagged. If this fails
+    because Lightning calls the hook on such a resume, the engine's call of the module's can go."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from steadfast.compat_loops import lightning_skips_the_epoch_start
+
+    class Module(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, int, bool | None]] = []
+
+        def on_train_start(self) -> None:
+            self.seen.append(("train_start", self.current_epoch, lightning_skips_the_epoch_start(self.trainer)))
+
+        def on_train_epoch_start(self) -> None:
+            self.seen.append(("epoch_start", self.current_epoch, None))
+
+    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0,
+             "limit_train_batches": 4, "max_epochs": 3}  # fmt: skip
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=step, save_top_k=-1, filename="{step}")
+    fresh = Module()
+    L.Trainer(max_steps=step, callbacks=[saves], **quiet).fit(fresh)
+    assert fresh.seen[:2] == [("train_start", 0, False), ("epoch_start", 0, None)]
+    resumed = Module()
+    L.Trainer(enable_checkpointing=False, **quiet).fit(resumed, ckpt_path=str(tmp_path / f"step={step}.ckpt"))
+    assert resumed.seen == [("train_start", 1, True), ("epoch_start", 2, None)]
