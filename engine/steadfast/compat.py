@@ -178,12 +178,22 @@ def rewrap_ddp(trainer: L.Trainer) -> None:
     # The fix to propose upstream, on Lightning #20340 ("DDP doesn't work with BackboneFinetuning", open): the
     # strategy rebuilds its wrapper when BaseFinetuning (or any hook) changes which parameters train.
     # https://github.com/Lightning-AI/pytorch-lightning/issues/20340
+    # Every rank must call it at the same batch, or those that do wait in DDP's constructor (the hang watchdog ends
+    # that): the change comes from code every rank runs alike (a callback's epoch start, a resume).
     strategy = trainer.strategy
     for name in ("_setup_model", "_register_ddp_hooks"):
         if not callable(getattr(type(strategy), name, None)):
             raise LightningChanged(f"{type(strategy).__name__}.{name} is gone")
+    if strategy.root_device.type == "cuda":  # DDP broadcasts rank 0's parameters on a side stream of its own
+        torch.cuda.current_stream().synchronize()  # after the last optimizer step has written them
+    state = getattr(strategy, "_ddp_comm_state", None)
+    for memory in ("error_dict", "p_memory_dict", "q_memory_dict"):  # PowerSGD's, kept per bucket of the old DDP
+        if isinstance(getattr(state, memory, None), dict):
+            getattr(state, memory).clear()
     strategy.model = strategy._setup_model(strategy.lightning_module)
     strategy._register_ddp_hooks()
+    if hasattr(strategy, "_pl_static_graph_delay_done"):  # manual optimization's first-iteration flush, per DDP
+        strategy._pl_static_graph_delay_done = False
 
 
 def loader_with_sampler(loader: Any, sampler: Any) -> Any:

@@ -4,15 +4,16 @@
 as its code builds it. A callback that freezes layers and unfreezes them at an epoch, as Lightning's ``BaseFinetuning``
 does, freezes them again in its ``setup`` on every fit and unfreezes them only at that epoch, so a run resumed after
 it trained on with them frozen (Lightning #21901). Here each checkpoint names the parameters that do not train and
-the BatchNorms that do not track their statistics, and a resume sets them so before its first batch.
+the BatchNorms that do not track their statistics, and a resume sets them so as the checkpoint is loaded (after
+every callback's ``setup``, before DDP wraps the module and before any epoch-start hook).
 
 Under DDP, ``DistributedDataParallel`` syncs the gradients of the parameters that required one when it was built,
 before the fit, and never looks again: a layer unfrozen later trained on each rank's own gradient, and the ranks'
 weights parted from the unfreeze on (measured: 0.029 apart after 2 epochs on 2 ranks, each rank's checkpoint
 another model; Lightning #20340). Here each training batch starts by comparing the parameters that train with those
 DDP syncs, and where they differ, DDP is built again around the module (``compat.rewrap_ddp``), at the same batch
-on every rank (the change comes from a hook every rank runs, or from a resume every rank makes), and the start of
-the first training batch after it says so. A parameter unfrozen during a training step, whose gradient DDP did not
+on every rank (the change comes from a hook every rank runs alike), and the start of that batch says so. (A resume
+sets what trains before DDP is built.) A parameter unfrozen during a training step, whose gradient DDP did not
 sync, is refused in one line before the optimizer steps.
 """
 
@@ -34,13 +35,14 @@ class Trainable(Callback):
     on resume, and keeps DDP syncing exactly those that train (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self._saved: dict[str, list[str]] | None = None  # the checkpoint's record, until the resumed fit sets it
+        self._fitting = False
         self._module: L.LightningModule | None = None
         self._params: list[tuple[str, torch.nn.Parameter]] = []  # the module's, in order
         self._synced: list[bool] | None = None  # under DDP: which of them DDP syncs (requires_grad when it was built)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._module = pl_module
+        self._fitting = stage == "fit"
 
     def state_dict(self) -> dict[str, Any]:
         module = self._module
@@ -53,24 +55,24 @@ class Trainable(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._saved = state_dict if "frozen" in state_dict else None  # absent from checkpoints before engine 1.6.3
+        # Lightning loads callback states after every callback's setup (a BaseFinetuning's freeze) and the module's
+        # configure_model, and before the strategy wraps the module (DDP) and any epoch-start hook: set here, DDP is
+        # built around the parameters that train, and an unfreeze the resumed epoch's start makes comes after it.
+        module = self._module
+        if "frozen" not in state_dict or module is None or not self._fitting:  # before engine 1.6.3: no record
+            return
+        frozen, untracked = set(state_dict["frozen"]), set(state_dict["untracked"])
+        for name, param in module.named_parameters():
+            param.requires_grad_(name not in frozen)
+        for name, sub in module.named_modules():
+            if hasattr(sub, "track_running_stats"):
+                sub.track_running_stats = name not in untracked
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # DDP wrapped the module in the strategy's setup, after every callback's setup and the module's configure_model
         self._params = list(pl_module.named_parameters())
         ddp = isinstance(trainer.strategy, DDPStrategy) and isinstance(trainer.strategy.model, DistributedDataParallel)
         self._synced = [p.requires_grad for _, p in self._params] if ddp and trainer.world_size > 1 else None
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        saved, self._saved = self._saved, None
-        if saved is None or trainer.ckpt_path is None:
-            return
-        frozen, untracked = set(saved["frozen"]), set(saved["untracked"])
-        for name, param in pl_module.named_parameters():
-            param.requires_grad_(name not in frozen)
-        for name, module in pl_module.named_modules():
-            if hasattr(module, "track_running_stats"):
-                module.track_running_stats = name not in untracked
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
