@@ -75,6 +75,17 @@ def cli_in_process(*args: str, root: Path, example: bool = False):
         return cli_main([args[0], "--run.root", str(root), *args[1:]])
 
 
+def crash_in_process(step: int, *args: str, root: Path) -> Path:
+    """Runs ``fit ARGS`` in this process until it crashes before optimizer step ``step`` (``tests.faults.CrashAt``),
+    as a bug would, with the checkpoints of earlier steps on disk; returns the newest run's last.ckpt."""
+    import pytest
+
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *args, "--trainer.callbacks+=tests.faults.CrashAt", f"--trainer.callbacks.step={step}",
+                       root=root)  # fmt: skip
+    return sorted((root / RUN_NAME).glob("version_*"))[-1] / "checkpoints" / "last.ckpt"
+
+
 def max_abs_diff(a, b) -> float:
     import torch
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.faults import kill_at
-from tests.helpers import DDP2, QUIET, RUN_NAME, cli, cli_in_process, max_abs_diff, run_dirs
+from tests.helpers import DDP2, QUIET, RUN_NAME, cli, cli_in_process, crash_in_process, max_abs_diff, run_dirs
 
 BASE = [*QUIET, "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "1",
         "--model.warmup", "1"]  # fmt: skip
@@ -42,9 +42,7 @@ def test_a_scheduled_accumulation_is_the_schedules_after_a_resume_lightning_star
     Lightning does not call the scheduler's ``on_train_epoch_start``, so the resumed run accumulated 1 (20 steps,
     weights 5.0e-3 off, measured). Now 18 steps, bit-equal to the uninterrupted run; from the epoch's end too."""
     cli_in_process("fit", *SCHEDULED, *saving_every(every), root=tmp_path / "reference")
-    with pytest.raises(RuntimeError, match="injected crash"):
-        cli_in_process("fit", *SCHEDULED, *saving_every(every), "--trainer.callbacks+=tests.faults.CrashAt",
-                       f"--trainer.callbacks.step={crash}", root=tmp_path / "resumed")  # fmt: skip
+    crash_in_process(crash, *SCHEDULED, *saving_every(every), root=tmp_path / "resumed")
     assert torch.load(_last(tmp_path / "resumed"), weights_only=True)["global_step"] == every, where
     cli_in_process("fit", *SCHEDULED, *saving_every(every), "--ckpt_path", "last", root=tmp_path / "resumed")
     ref = torch.load(_last(tmp_path / "reference"), weights_only=True)
@@ -77,9 +75,7 @@ def test_a_checkpoint_saved_while_a_batch_was_under_way_says_so_on_its_resume(tm
     ``resume verified`` (weights 1.6e-2 off the uninterrupted run, measured). The resume now says it is not exact."""
     exc = tmp_path / "exc"
     flags = [*BASE, "--trainer.callbacks+=OnExceptionCheckpoint", f"--trainer.callbacks.dirpath={exc}"]
-    with pytest.raises(RuntimeError, match="injected crash"):
-        cli_in_process("fit", *flags, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=10",
-                       root=tmp_path)  # fmt: skip
+    crash_in_process(10, *flags, root=tmp_path)
     saved = torch.load(exc / "on_exception.ckpt", weights_only=True)
     progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
     assert (progress["ready"], progress["processed"]) == (5, 4)
@@ -96,9 +92,7 @@ def test_the_modules_own_epoch_start_runs_on_a_resume_inside_an_epoch_and_a_call
     flags = [*BASE, "--model", "tests.fixtures.epoch_start.EpochWeighted", *saving_every(13),
              "--trainer.callbacks+=tests.fixtures.epoch_start.EpochNoted"]  # fmt: skip
     cli_in_process("fit", *flags, root=tmp_path / "reference")
-    with pytest.raises(RuntimeError, match="injected crash"):
-        cli_in_process("fit", *flags, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=14",
-                       root=tmp_path / "resumed")  # fmt: skip
+    crash_in_process(14, *flags, root=tmp_path / "resumed")
     capsys.readouterr()
     cli_in_process("fit", *flags, "--ckpt_path", "last", root=tmp_path / "resumed")
     ref = torch.load(_last(tmp_path / "reference"), weights_only=True)

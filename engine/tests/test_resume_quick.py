@@ -1,10 +1,9 @@
 """The fast tier's resume check: a crashed single-process fit resumed from its mid-epoch last.ckpt ends bitwise equal
 to the uninterrupted fit (the subprocess kills, DDP and the flag matrix are in the slow tier)."""
 
-import pytest
 import torch
 
-from tests.helpers import QUIET, RUN_NAME, cli_in_process
+from tests.helpers import QUIET, RUN_NAME, cli_in_process, crash_in_process
 
 ARGS = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "1",
         "--model.warmup", "1", "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
@@ -14,10 +13,7 @@ ARGS = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "6
 
 def test_crashed_fit_resumes_mid_epoch_bitwise_equal_and_says_it_verified_its_first_batch(tmp_path, capsys):
     cli_in_process("fit", *ARGS, root=tmp_path / "reference")
-    with pytest.raises(RuntimeError, match="injected crash"):
-        cli_in_process("fit", *ARGS, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=10",
-                       root=tmp_path / "resumed")  # fmt: skip
-    last = tmp_path / "resumed" / RUN_NAME / "version_0" / "checkpoints" / "last.ckpt"
+    last = crash_in_process(10, *ARGS, root=tmp_path / "resumed")
     saved = torch.load(last, weights_only=True)
     progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]
     assert saved["global_step"] == 8 and 0 < progress["current"]["completed"] < 6  # mid-epoch: epoch 1 of 6 batches
@@ -54,10 +50,7 @@ def test_a_net_compiled_in_configure_model_resumes_exactly_validates_and_exports
 
     compiled = [*ARGS, "--model", "tests.fixtures.compiled.CompiledStandIn"]
     cli_in_process("fit", *compiled, root=tmp_path / "reference")
-    with pytest.raises(RuntimeError, match="injected crash"):
-        cli_in_process("fit", *compiled, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=10",
-                       root=tmp_path / "resumed")  # fmt: skip
-    last = tmp_path / "resumed" / RUN_NAME / "version_0" / "checkpoints" / "last.ckpt"
+    last = crash_in_process(10, *compiled, root=tmp_path / "resumed")
     assert any("._orig_mod." in k for k in torch.load(last, weights_only=True)["state_dict"])  # the precondition
     cli_in_process("fit", *compiled, "--ckpt_path", "last", root=tmp_path / "resumed")
     ref = torch.load(str(last).replace("resumed", "reference"), weights_only=True)["state_dict"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.faults import kill_at
-from tests.helpers import DDP2, QUIET, RUN_NAME, cli, cli_in_process, max_abs_diff, run_dirs
+from tests.helpers import DDP2, QUIET, RUN_NAME, cli, cli_in_process, crash_in_process, max_abs_diff, run_dirs
 
 FINETUNED = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches",
              "1", "--model.warmup", "1", "--model.net", "tests.fixtures.finetuning.WithBatchNorm",
@@ -22,10 +22,7 @@ def test_a_resume_after_the_unfreeze_trains_the_unfrozen_block_as_the_uninterrup
     where Lightning's callback unfreezes nothing): resumed, the block trains and its BatchNorm tracks, bit-equal to the
     uninterrupted run. Lightning alone resumes with the block frozen (its weights and statistics those of step 16)."""
     cli_in_process("fit", *FINETUNED, root=tmp_path / "reference")
-    with pytest.raises(RuntimeError, match="injected crash"):
-        cli_in_process("fit", *FINETUNED, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=17",
-                       root=tmp_path / "resumed")  # fmt: skip
-    last = tmp_path / "resumed" / RUN_NAME / "version_0" / "checkpoints" / "last.ckpt"
+    last = crash_in_process(17, *FINETUNED, root=tmp_path / "resumed")
     saved = torch.load(last, weights_only=True)
     assert saved["global_step"] == 16 and saved["epoch"] == 2
     assert saved["callbacks"]["Trainable"] == {"frozen": [], "untracked": []}  # unfrozen at epoch 1
@@ -45,10 +42,7 @@ def test_a_checkpoint_before_the_unfreeze_keeps_the_block_frozen_until_its_epoch
     """Frozen at the save (step 4, epoch 0): the record names the block, and the resumed run leaves it to Lightning's
     callback to unfreeze at epoch 1, bit-equal to the uninterrupted run."""
     cli_in_process("fit", *FINETUNED, "--trainer.max_epochs", "2", root=tmp_path / "reference")
-    with pytest.raises(RuntimeError, match="injected crash"):
-        cli_in_process("fit", *FINETUNED, "--trainer.max_epochs", "2", "--trainer.callbacks+=tests.faults.CrashAt",
-                       "--trainer.callbacks.step=5", root=tmp_path / "resumed")  # fmt: skip
-    last = tmp_path / "resumed" / RUN_NAME / "version_0" / "checkpoints" / "last.ckpt"
+    last = crash_in_process(5, *FINETUNED, "--trainer.max_epochs", "2", root=tmp_path / "resumed")
     assert torch.load(last, weights_only=True)["callbacks"]["Trainable"] == {
         "frozen": ["net.layers.1.weight", "net.layers.1.bias", "net.layers.2.weight", "net.layers.2.bias"],
         "untracked": ["net.layers.2"],
