@@ -253,13 +253,26 @@ class ExactResume(Callback):
             samples = _epoch_samples(trainer, shape)
             note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, shape)
             out += [note] if note is not None else []
+        module = type(pl_module).__name__
+        if pl_module is not None and _own_hook(pl_module, "on_train_batch_end", L.LightningModule):
+            out.append(  # Lightning calls the callbacks' on_train_batch_end (where checkpoints are saved) first
+                f"on_train_batch_end of {module}: Lightning runs it after the callbacks that save checkpoints at a "
+                "batch end, so what it changes there (an EMA, a counter) is a batch behind in those checkpoints: "
+                "change it in on_before_zero_grad or on_train_batch_start"
+            )
         if self._epoch_start_skipped:
-            skipped = [type(c).__name__ for c in trainer.callbacks if _own_epoch_start(c)]
+            skipped = [type(c).__name__ for c in trainer.callbacks if _own_hook(c, "on_train_epoch_start", Callback)]
             if skipped:
                 out.append(
                     f"on_train_epoch_start of {', '.join(skipped)}: Lightning does not call a callback's epoch start "
                     "on a resume inside an epoch, so what it sets for the epoch is as this process built it until the "
-                    "next epoch (the module's own is called)"
+                    "next epoch"
+                )
+            if _own_hook(pl_module, "on_train_epoch_start", L.LightningModule):
+                out.append(
+                    f"on_train_epoch_start of {module}: called again on this resume inside an epoch (Lightning skips "
+                    "it): what it sets from the epoch continues exactly, what it adds to (a list or count the "
+                    "checkpoint holds) gets this epoch twice"
                 )
         resized_now = resized is not None and resized[0] != resized[1]
         if resized_now and any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
@@ -302,12 +315,12 @@ class ExactResume(Callback):
         set_generator_states(ranks[trainer.global_rank])
 
 
-def _own_epoch_start(callback: Callback) -> bool:
-    """Whether ``callback`` has an ``on_train_epoch_start`` written outside Lightning and the engine (a subclass of
-    Lightning's callback that keeps Lightning's hook has not): what a resume inside an epoch skips."""
-    hook = getattr(type(callback), "on_train_epoch_start", None)
+def _own_hook(obj: Any, name: str, base: type) -> bool:
+    """Whether ``obj`` (a callback, a module) has hook ``name`` written outside Lightning and the engine (a subclass
+    of Lightning's callback that keeps Lightning's hook has not)."""
+    hook = getattr(type(obj), name, None)
     where = getattr(hook, "__module__", "") or ""
-    return hook is not Callback.on_train_epoch_start and not where.startswith(("lightning.", "steadfast."))
+    return hook is not getattr(base, name) and not where.startswith(("lightning.", "steadfast."))
 
 
 def _set_the_scheduled_accumulation(trainer: L.Trainer) -> None:
