@@ -67,7 +67,6 @@ class ExactResume(Callback):
         self.saved_epoch_samples: int | None = None  # what an epoch of the checkpoint's run trained, over all ranks
         self.saved_world: int | None = None  # ranks whose RNG states the checkpoint holds
         self._flush_before_next_batch = False
-        self._epoch_started: int | None = None
         self._metrics: dict[str, Metric] = {}
         self._not_trained: dict[str, Metric] = {}  # not updated by a training step yet: validation's, or unused
         self._metrics_to_restore: list[dict[str, dict[str, Any]]] | None = None
@@ -109,18 +108,12 @@ class ExactResume(Callback):
         if trainer.state.fn == "fit" and start_the_epoch_after_an_ended_one(checkpoint, trainer.max_steps):
             self._epoch_loop_afresh = True
 
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._epoch_started = trainer.current_epoch
-
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._scheduled:  # before the batch: Lightning reads the accumulation as it runs it
             self._scheduled = False
             _set_the_scheduled_accumulation(trainer)
-        if self._epoch_started != trainer.current_epoch:  # not caught by on_train_start (a Lightning that moved it)
-            start_the_epoch_lightning_skipped(pl_module)
-            self._epoch_started = trainer.current_epoch
         metrics, self._metrics_to_restore = self._metrics_to_restore, None
         if metrics is not None and batch_idx > 0:  # mid-epoch; a resume at an epoch's start begins it afresh
             _set_metric_states(self._metrics, metrics[trainer.global_rank])
@@ -253,7 +246,7 @@ class ExactResume(Callback):
             samples = _epoch_samples(trainer, shape)
             note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, shape)
             out += [note] if note is not None else []
-        module = type(pl_module).__name__
+        module = type(pl_module).__name__  # (None in a unit test's call: no hooks of its own)
         if pl_module is not None and _own_hook(pl_module, "on_train_batch_end", L.LightningModule):
             out.append(  # Lightning calls the callbacks' on_train_batch_end (where checkpoints are saved) first
                 f"on_train_batch_end of {module}: Lightning runs it after the callbacks that save checkpoints at a "
@@ -301,7 +294,6 @@ class ExactResume(Callback):
                 # before the epoch's iterator fetches a batch (a curriculum stage set on the dataset reaches it) and
                 # before the random streams are set (draws it makes are the uninterrupted run's, made before its save)
                 start_the_epoch_lightning_skipped(pl_module)
-                self._epoch_started = trainer.current_epoch
                 self._epoch_start_skipped = True
         resized = self.batches.resized
         if resized is not None and resized[0] != resized[1]:
