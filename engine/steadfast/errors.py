@@ -6,6 +6,7 @@ the output folder: the CLI calls jsonargparse's ``parser.error``), exit code 1 w
 tracebacks back (jsonargparse reads only ``true`` or ``false``: ``=1`` is itself an error).
 """
 
+import enum
 import itertools
 import os
 import re
@@ -116,10 +117,30 @@ class OneLineParser(LightningArgumentParser):
         self.given = [str(arg) for arg in (sys.argv[1:] if args is None else args)]
         return super().parse_args(args, *rest, **kwargs)
 
+    def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
+        # Lightning's Timer has ``interval: str = Interval.step``: a ``str`` Enum as the default of a ``str``, which
+        # jsonargparse keeps as the Enum and YAML cannot write, so a config naming Timer stopped every command
+        # (plain LightningCLI too). Its value is the string the signature asks for. Only an Enum whose name is its
+        # value is changed: one typed as its Enum is written by that name, which is then the same string.
+        # Upstream: docs/upstream.md, "Timer's interval default".
+        return super().dump(_str_enums_as_values(cfg), *args, **kwargs)
+
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or debug_requested():
             super().error(message, ex)  # raises: to the parser of the class around this one, or as a traceback
         self.exit(2, f"error: {one_line(message, ex, self.given)}\n")
+
+
+def _str_enums_as_values(value: Any) -> Any:
+    if isinstance(value, jsonargparse.Namespace):
+        return jsonargparse.Namespace(**{key: _str_enums_as_values(item) for key, item in vars(value).items()})
+    if isinstance(value, (list, tuple)):
+        return type(value)(_str_enums_as_values(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _str_enums_as_values(item) for key, item in value.items()}
+    if isinstance(value, enum.Enum) and isinstance(value, str) and value.name == value.value:
+        return value.value
+    return value
 
 
 def one_line(message: str, error: BaseException | None, given: Sequence[str]) -> str:

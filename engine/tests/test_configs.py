@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lightning.pytorch import callbacks
 
 from tests.helpers import ENGINE, REPO, STAND_IN
 
@@ -99,3 +100,54 @@ def test_the_engines_version_is_the_one_its_package_declares():
     declared = tomllib.loads((ENGINE / "pyproject.toml").read_text())["project"]["version"]
     assert steadfast.__version__ == declared
     assert f"\n## {declared} (" in (ENGINE / "CHANGELOG.md").read_text()
+
+
+# what each of Lightning's callbacks must be given; the rest take their signature's defaults
+REQUIRED = {
+    "EarlyStopping": {"monitor": "val/loss"},
+    "GradientAccumulationScheduler": {"scheduling": {0: 1, 2: 2}},
+    "ModelPruning": {"pruning_fn": "l1_unstructured"},
+    "OnExceptionCheckpoint": {"dirpath": "on_exception"},
+    "StochasticWeightAveraging": {"swa_lrs": 0.01},
+    "ThroughputMonitor": {"batch_size_fn": "builtins.len"},
+}
+LIGHTNING_CALLBACKS = [
+    # jsonargparse writes a str given to ``Union[Callable, str]`` as "Unable to serialize instance l1_unstructured":
+    # the run prunes as asked, its config.yaml does not say how (docs/upstream.md, ModelPruning's pruning_fn)
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="jsonargparse")) if name == "ModelPruning" else name
+    for name in sorted(callbacks.__all__)
+    if isinstance(getattr(callbacks, name), type) and name != "Callback"
+]
+
+
+@pytest.mark.parametrize("name", LIGHTNING_CALLBACKS)
+def test_each_of_lightnings_callbacks_named_in_a_config_parses_and_its_written_config_starts_the_same_run(
+    name, tmp_path, capsys, monkeypatch
+):
+    """The Lightning way of adding a callback, a ``trainer.callbacks`` entry with its defaults, parses; the config
+    the run saves (``--print_config`` writes it as the run folder's ``config.yaml`` is written) parses back to
+    itself and builds the callback. Timer's default ``interval``, a ``str`` Enum, once stopped every command."""
+    from tests.helpers import cli_main
+
+    monkeypatch.setattr(sys, "argv", ["project"])
+
+    def written(config: Path) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["fit", *STAND_IN, "--config", str(config), "--print_config"])
+        assert exit_info.value.code in (0, None), capsys.readouterr().err
+        return capsys.readouterr().out
+
+    entry = {"class_path": f"lightning.pytorch.callbacks.{name}", "init_args": REQUIRED.get(name, {})}
+    (tmp_path / "given.yaml").write_text(yaml.safe_dump({"trainer": {"callbacks": [entry]}}))
+    (tmp_path / "saved.yaml").write_text(written(tmp_path / "given.yaml"))
+    assert written(tmp_path / "saved.yaml") == (tmp_path / "saved.yaml").read_text()
+
+    saved = yaml.safe_load((tmp_path / "saved.yaml").read_text())
+    for key in ("ckpt_path", "weights_only"):  # fit's own arguments: a parser without subcommands has none
+        del saved[key]
+    (tmp_path / "saved.yaml").write_text(yaml.safe_dump(saved))
+    trainer = cli_main(["--config", str(tmp_path / "saved.yaml")], run=False).trainer
+    built = [callback for callback in trainer.callbacks if type(callback) is getattr(callbacks, name)]
+    assert built
+    if name == "Timer":
+        assert built[0]._interval == "step"  # the default Lightning documents: the time is checked at each step
