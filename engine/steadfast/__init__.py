@@ -89,6 +89,7 @@ __version__ = "1.6.3"  # engine/pyproject.toml's; CHANGELOG.md says what each ve
 # The public names (docs/engine.md), imported when first used: `import steadfast` alone builds no CLI.
 _PUBLIC = {
     "cli_main": "steadfast.main",
+    "LightningCLI": "steadfast.cli",  # its CLI: a project's own script imports it in place of Lightning's
     "LinearWarmupCosineAnnealingLR": "steadfast.schedule",
     "ShardedStrategy": "steadfast.sharded.strategy",
     "ThrottledTensorBoardLogger": "steadfast.loggers",
@@ -102,4 +103,5 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'steadfast' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
+    module = importlib.import_module(_PUBLIC[name])
+    return module.CLI if name == "LightningCLI" else getattr(module, name)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import (
     EarlyStopping,
     LearningRateMonitor,
@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from steadfast.checkpoint_files import check_fits
 from steadfast.checkpoint_policy import CheckpointPolicy
 from steadfast.compat import ParsesPlainLightningCheckpoints, cli_section
-from steadfast.config import SaveConfigOnce, base_monitor, entry, start_from_class_defaults
+from steadfast.config import SaveConfigOnce, base_monitor, entered_here, entry, start_from_class_defaults
 from steadfast.distributed import DestroyProcessGroup
 from steadfast.elastic import GlobalBatch
 from steadfast.errors import OneLineParser, check_yaml_files, one_line_errors, root_cause
@@ -60,15 +60,65 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
     unknown_loggers: list[str] = []
     judge: ModelCheckpoint | None = None  # the run's checkpoint with a monitor (steadfast.judge.judge_of)
 
-    def __init__(self, *args: Any, only: str | None = None, **kwargs: Any) -> None:
-        self.only = only
-        try:
-            super().__init__(*args, **kwargs)
-            remove_if_empty(self.run_plan)  # a run that wrote nothing leaves no folder
-        except BaseException:
-            # a failed start leaves no empty folder, and nothing in the run it continued
-            clean_up_failed_start(self.run_plan, self.run_folder, getattr(self, "trainer", None), self.folder_before)
-            raise
+    def __init__(
+        self,
+        model_class: type[LightningModule] | None = None,
+        datamodule_class: type[LightningDataModule] | None = None,
+        *,
+        args: ArgsType = None,
+        run: bool = True,
+        trainer_defaults: dict[str, Any] | None = None,
+        parser_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Lightning's ``LightningCLI`` with every guarantee of the engine: a project's own script keeps its
+        subclass (``add_arguments_to_parser`` and its links, fixed classes, its arguments) and imports this class in
+        place of Lightning's. The engine's callbacks come before ``trainer_defaults``' own; ``parser_kwargs`` (for
+        all subcommands, or per subcommand as Lightning reads them) win over the engine's."""
+        argv = sys.argv[1:] if args is None else args
+        given = argv[0] if isinstance(argv, list | tuple) and argv else None
+        self.only = given if run and given in SUBCOMMANDS else None
+        defaults = dict(trainer_defaults or {})
+        callbacks = defaults.get("callbacks") or []
+        # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run looks
+        # finished / predict writes nothing / the saves of one validation are written once each / an LR schedule
+        # does not fit the run. (A dead or hung rank's report comes from instantiate_trainer.)
+        defaults["callbacks"] = [
+            *(Preemption(), StopOnNonFinite(), DestroyProcessGroup(), OneFilePerPoint(), PredictionWriter()),
+            FitScheduleToRun(),
+            *(callbacks if isinstance(callbacks, list) else [callbacks]),
+        ]
+        kwargs.setdefault("save_config_callback", SaveConfigOnce)
+        # each error in one line, without the usage line; the short usage atop --help, not all 60 options
+        kwargs.setdefault("parser_class", OneLineParser)
+        # signals, warning filters, gc, patches: as they were once the run returns or raises
+        with entered_here(), for_the_run(), one_line_errors():
+            parser_kwargs = self._engine_parser_kwargs(argv, run, parser_kwargs or {})
+            try:
+                super().__init__(model_class, datamodule_class, args=args, run=run, trainer_defaults=defaults,
+                                 parser_kwargs=parser_kwargs, **kwargs)  # fmt: skip
+                remove_if_empty(self.run_plan)  # a run that wrote nothing leaves no folder
+            except BaseException:
+                # a failed start leaves no empty folder, and nothing in the run it continued
+                clean_up_failed_start(self.run_plan, self.run_folder, getattr(self, "trainer", None),
+                                      self.folder_before)  # fmt: skip
+                raise
+
+    def _engine_parser_kwargs(self, argv: ArgsType, run: bool, given: dict[str, Any]) -> dict[str, Any]:
+        """Each subcommand parser's keyword arguments: the base config (``cli_main``'s) read first and the short
+        usage line, under what the caller gave (for all subcommands, or one)."""
+        default, looked = entry().base_config, entry().looked
+        if looked and isinstance(argv, list) and not {"-c", "--config", "-h", "--help"} & set(map(str, argv)):
+            where = " or ".join(str(path) for path in looked)
+            rank_zero_only(print)(f"note: no base config at {where}: only the --config files and flags given apply")
+        ours = {"default_config_files": [str(default)] if default else [],
+                "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}  # fmt: skip
+        per_subcommand = {k: v for k, v in given.items() if k in SUBCOMMANDS}
+        common = {k: v for k, v in given.items() if k not in SUBCOMMANDS}
+        if not run:
+            return {**ours, **common}
+        built = [self.only] if self.only else SUBCOMMANDS
+        return {sub: {**ours, **common, **per_subcommand.get(sub, {})} for sub in built}
 
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
         # Only the parser of the subcommand given is built: each one is the Trainer's ~60 options plus the model's
@@ -77,7 +127,10 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         every = LightningCLI.subcommands()
         return {self.only: every[self.only]} if self.only in every else every
 
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # The engine's sections beside Lightning's core ones, not in add_arguments_to_parser: a project's own
+        # subclass overrides that one (for its links) without calling up.
+        super().add_core_arguments_to_parser(parser)
         parser.add_class_arguments(Runs, "run")
         parser.add_class_arguments(CheckpointPolicy, "checkpoints")
         parser.add_class_arguments(Speed, "speed")
@@ -96,12 +149,23 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand:
             try:
-                self.run_plan = plan_run(self.config[subcommand], subcommand)
+                self.run_plan = plan_run(self.config[subcommand], subcommand, self._fixed_classes())
                 if self.run_plan.continues and rank_zero_only.rank == 0:
                     self.folder_before = FolderBefore.take(self.run_plan.dir)
                 self.unknown_loggers = point_loggers_at(self.run_plan, self.config[subcommand]["trainer"])
             except ValueError as error:
                 parser.error(str(error))  # a one-paragraph message and exit code 2, not a traceback
+
+    def _fixed_classes(self) -> dict[str, str]:
+        """The class paths of a project's own script's fixed model and data classes (``LightningCLI(Net, Data)``),
+        which its config does not name."""
+        fixed = {"model": (self.model_class, self.subclass_mode_model),
+                 "data": (self.datamodule_class, self.subclass_mode_data)}  # fmt: skip
+        return {
+            key: f"{cls.__module__}.{cls.__qualname__}"
+            for key, (cls, subclass_mode) in fixed.items()
+            if isinstance(cls, type) and not subclass_mode
+        }
 
     def instantiate_classes(self) -> None:
         try:
@@ -205,40 +269,8 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
 
 
 def run_cli(args: ArgsType, run: bool) -> CLI | None:
-    """``fit|validate|test|predict ARGS`` through the engine's LightningCLI, inside ``config.entered`` (the program
+    """``fit|validate|test|predict ARGS`` through the engine's LightningCLI in subclass mode (no model or data class
+    given: any LightningModule, DataModule or net is one class_path away), inside ``config.entered`` (the program
     and base config of this invocation: ``steadfast.main.cli_main`` enters them). ``run=False``: parse and
     instantiate ``args`` (no subcommand) and run nothing, e.g. to check a sweep's space."""
-    argv = sys.argv[1:] if args is None else args
-    # Subclass mode (no model/data class given): any LightningModule, DataModule or net is one class_path away.
-    default, looked = entry().base_config, entry().looked
-    if looked and isinstance(argv, list) and not {"-c", "--config", "-h", "--help"} & set(map(str, argv)):
-        where = " or ".join(str(path) for path in looked)
-        rank_zero_only(print)(f"note: no base config at {where}: only the --config files and flags given apply")
-    defaults = [str(default)] if default else []
-    kwargs = {"default_config_files": defaults, "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}
-    given = argv[0] if isinstance(argv, list | tuple) and argv else None
-    only = given if run and given in SUBCOMMANDS else None
-    # signals, warning filters, gc, patches: as they were once the run returns or raises (nested, not one `with`:
-    # the block below is left as it was)
-    with for_the_run():  # noqa: SIM117
-        with one_line_errors():
-            return CLI(
-                only=only,
-                save_config_callback=SaveConfigOnce,
-                # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run
-                # looks finished / predict writes nothing / the saves of one validation are written once each / an LR
-                # schedule does not fit the run. (A dead or hung rank's report comes from instantiate_trainer.)
-                trainer_defaults={
-                    "callbacks": [
-                        *(Preemption(), StopOnNonFinite(), DestroyProcessGroup()),
-                        OneFilePerPoint(),
-                        PredictionWriter(),
-                        FitScheduleToRun(),
-                    ]
-                },
-                # Each error in one line, without the usage line; the short usage atop --help, not all 60 options.
-                parser_class=OneLineParser,
-                parser_kwargs={sub: kwargs for sub in ([only] if only else SUBCOMMANDS)} if run else kwargs,
-                args=args,
-                run=run,
-            )
+    return CLI(args=args, run=run)

@@ -3,6 +3,7 @@ the one a run began with."""
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,24 +16,45 @@ from lightning.pytorch.cli import SaveConfigCallback
 
 @dataclass(frozen=True)
 class Entry:
-    """What the user runs: ``python -m <program>`` and the base config it reads first (a project's
-    ``configs/default.yaml``; none for ``python -m steadfast``). ``cli_main`` sets it for the invocation; the
-    commands the engine prints (a resume, ``--help``) and a sweep's trials use it."""
+    """What the user runs: ``python -m <program>``, or ``python <program>`` for a script (a ``.py`` file: an existing
+    project's own ``main.py`` with ``steadfast.LightningCLI``), and the base config it reads first (a project's
+    ``configs/default.yaml``; none for ``python -m steadfast``). ``cli_main`` or the CLI's constructor sets it for the
+    invocation; the commands the engine prints (a resume, ``--help``) and a sweep's trials use it."""
 
     program: str = "steadfast"
     base_config: Path | None = None
     looked: tuple[Path, ...] = ()  # where a base config was looked for, when none was found
 
     @property
+    def launch(self) -> list[str]:
+        """The interpreter's arguments that run the program: ``["-m", program]``, or ``[script]``."""
+        return [self.program] if self.program.endswith(".py") else ["-m", self.program]
+
+    @property
     def command(self) -> str:
-        return f"python -m {self.program}"
+        return " ".join(["python", *self.launch])
 
 
-_entry = Entry()
+_DEFAULT = _entry = Entry()
 
 
 def entry() -> Entry:
     return _entry
+
+
+def invoked() -> str:
+    """The program this process runs, as ``Entry.program``: ``python -m pkg`` gives ``pkg``, ``python main.py``
+    gives ``main.py``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return spec.name.removesuffix(".__main__")
+    return sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else _entry.program
+
+
+def entered_here() -> contextlib.AbstractContextManager[Entry]:
+    """This invocation's program and no base config, unless ``cli_main`` entered them already (a LightningCLI
+    constructed by the user's own script enters here)."""
+    return contextlib.nullcontext(_entry) if _entry is not _DEFAULT else entered(invoked(), None)
 
 
 @contextlib.contextmanager

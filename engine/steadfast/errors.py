@@ -167,6 +167,14 @@ def one_line(message: str, error: BaseException | None, given: Sequence[str]) ->
     help_command = f"{entry().command} {subcommand} " + (
         f"--{'.'.join(owner[0])}.help {owner[1]}" if owner else "--help"
     )
+    if unknown and owner and owner[1] in ("lightning.LightningModule", "lightning.LightningDataModule"):
+        # a config a LightningCLI of fixed classes printed (`LightningCLI(Net, Data)`): it names no class
+        section = owner[0][0] if owner[0] else keys[0]
+        return (
+            f"{_where(keys, given, None)}: no {section} class is named for {keys[-1]!r}: give one before the config "
+            f"(--{section} my.Class --config FILE) or in it ({section}: {{class_path: my.Class, init_args: ...}}), or "
+            f"keep your own LightningCLI script with its LightningCLI imported from steadfast"
+        )
     if unknown:
         taker = f"{owner[1]} takes no argument {keys[-1]!r}" if owner else "no such option"
         return f"{_where(keys, given, None)}: {taker} ({help_command} lists them)"
@@ -181,6 +189,11 @@ def one_line(message: str, error: BaseException | None, given: Sequence[str]) ->
         return (
             f"{where}: class_path {class_path}: importing it raised {type(cause).__name__}: {cause} "
             f"(at {raised_at}; {DEBUG} shows the traceback)"
+        )
+    if owner and (missing := re.match(r"the following arguments are required: (.+)", str(cause))):
+        return (
+            f"{where}: {class_path} needs {missing[1]} ({help_command} lists its arguments; one your own LightningCLI "
+            "script links keeps that script, with its LightningCLI imported from steadfast)"
         )
     if owner and owner[0] == keys:  # no line of the class's module ran: it is not there
         return f"{where}: class_path {class_path} cannot be imported: {cause}. Check the spelling and the Python path."

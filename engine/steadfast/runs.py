@@ -153,12 +153,14 @@ def runs_root(config: Namespace) -> Path:
     return Path(given)
 
 
-def family_dir(config: Namespace) -> Path:
+def family_dir(config: Namespace, fixed: dict[str, str] | None = None) -> Path:
+    """``fixed``: the class paths of the ``data``/``model`` a LightningCLI was given as its fixed classes, which its
+    config does not name."""
     runs = config.get("run") or Namespace(root="runs", name=None)
     root = runs_root(config)
-    data, model = config.get("data"), config.get("model")
-    data_class = data.get("class_path") if isinstance(data, Namespace) else None
-    model_class = model.get("class_path") if isinstance(model, Namespace) else None
+    named = {key: config.get(key) for key in ("data", "model")}
+    named = {key: v["class_path"] for key, v in named.items() if isinstance(v, Namespace) and "class_path" in v}
+    data_class, model_class = ({**(fixed or {}), **named}.get(key) for key in ("data", "model"))
     family = root / (runs.name or default_name(data_class or model_class))
     legacy = root / default_name(None)  # where 1.1.0 and before filed a model that brings its own data
     if not runs.name and not data_class and model_class and legacy.is_dir() and not family.exists():
@@ -215,13 +217,14 @@ def check_save_dir(family: Path) -> None:
         raise ValueError(f"{flag} {family.parent}: the folder {existing} is not writable. Choose another {flag}.")
 
 
-def plan_run(config: Namespace, subcommand: str) -> RunPlan:
-    """Resolves ``ckpt_path`` (``last``: the newest loadable checkpoint) and picks the run folder.
+def plan_run(config: Namespace, subcommand: str, fixed: dict[str, str] | None = None) -> RunPlan:
+    """Resolves ``ckpt_path`` (``last``: the newest loadable checkpoint) and picks the run folder (``fixed``: as
+    ``family_dir`` reads it).
 
     Only ``fit`` continues a run's folder: ``validate``/``test``/``predict`` of a checkpoint get a folder of their
     own, so they never add points to the training curves.
     """
-    family = family_dir(config)
+    family = family_dir(config, fixed)
     check_save_dir(family)
     if isinstance(config.get("run"), Namespace):  # the run's config.yaml names its family's root, however given
         config["run"]["root"] = str(family.parent)

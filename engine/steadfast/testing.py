@@ -13,12 +13,14 @@ DDP2 = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.str
 
 def run_cli(program: str, *args: str, cwd: Path, pythonpath: str | None = None, timeout: float = 300,
             check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:  # fmt: skip
-    """``python -m PROGRAM ARGS`` in ``cwd`` (runs/ lands there), ``pythonpath`` first on its path (then this
-    process's PYTHONPATH); ``check``: an ``AssertionError`` with its output's tail if it exits non-zero."""
+    """``python -m PROGRAM ARGS`` (``python PROGRAM ARGS`` for a script, ``main.py``) in ``cwd`` (runs/ lands there),
+    ``pythonpath`` first on its path (then this process's PYTHONPATH); ``check``: an ``AssertionError`` with its
+    output's tail if it exits non-zero."""
     joined = os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)
     path = {"PYTHONPATH": joined} if joined else {}
     full_env = {**os.environ, **path, "PYTHONWARNINGS": "ignore", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", program, *args], cwd=cwd, env=full_env, capture_output=True,
+    launch = [program] if program.endswith(".py") else ["-m", program]
+    proc = subprocess.run([sys.executable, *launch, *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
     if check and proc.returncode != 0:
         raise AssertionError(f"CLI {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -1,7 +1,8 @@
 """An existing Lightning project adopts the engine with nothing copied: its own package (a module and a data module
 written from Lightning's docs, no import of the engine or the template), its own config with its own callbacks list,
-and ``python -m steadfast fit`` run in its folder. Killed with SIGKILL mid-epoch, ``fit --ckpt_path last`` ends with
-the weights of the uninterrupted run, bit for bit."""
+and ``python -m steadfast fit`` run in its folder; or its own ``main.py`` (a ``LightningCLI`` subclass of fixed
+classes that links an argument, and the config Lightning printed for it) with the one import changed. Killed with
+SIGKILL mid-epoch, ``fit --ckpt_path last`` ends with the weights of the uninterrupted run, bit for bit."""
 
 import textwrap
 from pathlib import Path
@@ -22,10 +23,10 @@ from torch import nn
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, hidden: int = 16, lr: float = 1e-2) -> None:
+    def __init__(self, features: int, hidden: int = 16, lr: float = 1e-2) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 1))
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -52,7 +53,7 @@ from torch.utils.data import DataLoader, TensorDataset
 class Points(L.LightningDataModule):
     def __init__(self, batch_size: int = 8) -> None:
         super().__init__()
-        self.batch_size = batch_size
+        self.batch_size, self.features = batch_size, 4
 
     def setup(self, stage: str) -> None:
         g = torch.Generator().manual_seed(0)
@@ -71,6 +72,8 @@ CONFIG = """
 seed_everything: 7
 model:
   class_path: mylab.model.Regressor
+  init_args:
+    features: 4
 data:
   class_path: mylab.data.Points
 trainer:
@@ -96,6 +99,24 @@ def existing_project(folder: Path) -> Path:
     (package / "data.py").write_text(textwrap.dedent(DATA))
     (folder / "config.yaml").write_text(CONFIG)
     return folder
+
+
+# The project's own script: Lightning's CLI of its two classes, the module's `features` linked from the data's.
+MAIN = """
+from lightning.pytorch.cli import LightningCLI
+
+from mylab.data import Points
+from mylab.model import Regressor
+
+
+class LabCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser):
+        parser.link_arguments("data.features", "model.features", apply_on="instantiate")
+
+
+if __name__ == "__main__":
+    LabCLI(Regressor, Points)
+"""
 
 
 def steadfast(folder: Path, *args: str, check: bool = True):
@@ -133,3 +154,65 @@ def test_an_existing_lightning_project_killed_mid_epoch_resumes_exactly_with_not
     # the user's own ModelCheckpoint judged the run: its monitor is the run's, no example's val/acc
     assert "val/acc" not in proc.stdout + proc.stderr
     assert list(run.glob("checkpoints/epoch=*-step=*.ckpt")), sorted(p.name for p in run.rglob("*.ckpt"))
+
+
+def its_own_script(folder: Path) -> Path:
+    """The project with its ``main.py`` and the config plain Lightning printed for it (no class paths: the classes
+    are the script's), then the script's one import changed to the engine's."""
+    existing_project(folder)
+    (folder / "config.yaml").unlink()
+    main = folder / "main.py"
+    main.write_text(textwrap.dedent(MAIN))
+    monitored = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.monitor=val_loss",
+                 "--trainer.callbacks.every_n_train_steps=3", "--trainer.callbacks.save_last=true"]  # fmt: skip
+    printed = run_cli("main.py", "fit", "--print_config", "--seed_everything", "7", "--trainer.max_epochs", "2",
+                      "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", *monitored,
+                      cwd=folder).stdout  # fmt: skip
+    assert "class_path: mylab" not in printed and "steadfast" not in printed, printed
+    (folder / "config.yaml").write_text(printed)
+    main.write_text(main.read_text().replace("from lightning.pytorch.cli import", "from steadfast import"))
+    return folder
+
+
+def script(folder: Path, *args: str, check: bool = True):
+    return run_cli("main.py", "fit", "--config", "config.yaml", *args, cwd=folder, pythonpath=str(ENGINE),
+                   check=check)  # fmt: skip
+
+
+def test_a_projects_own_lightning_cli_script_with_a_link_keeps_its_config_and_resumes_exactly(tmp_path, monkeypatch):
+    reference = its_own_script(tmp_path / "reference")
+    # without its script, the config names no class, and the classes named need the linked value: each said so
+    proc = steadfast(reference, check=False)
+    assert proc.returncode == 2 and "config.yaml: no model class is named for 'hidden'" in proc.stderr, proc.stderr
+    classes = ["--model", "mylab.model.Regressor", "--data", "mylab.data.Points"]
+    proc = run_cli("steadfast", "fit", *classes, "--config", "config.yaml", cwd=reference, check=False)
+    assert proc.returncode == 2 and "mylab.model.Regressor needs features" in proc.stderr, proc.stderr
+    assert not (reference / "runs").exists()
+    # the commands the engine prints are the script's
+    proc = script(reference, "--ckpt_path", "best", check=False)
+    assert proc.returncode == 2 and "(python main.py fit)" in proc.stderr, proc.stderr[-2000:]
+    script(reference)
+    ref = final_weights(reference)
+    assert ref["global_step"] == 24 and ref["hyper_parameters"]["features"] == 4  # the link applied
+
+    project = its_own_script(tmp_path / "project")
+    proc = script(project, *kill_at(17, settle=True), check=False)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    proc = script(project, "--ckpt_path", "last")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
+    got = final_weights(project)
+    delta = max((got["state_dict"][k] - v).abs().max().item() for k, v in ref["state_dict"].items())
+    print(f"max |delta| {delta} | {line}")
+    assert got["global_step"] == 24 and delta == 0.0
+    assert got["optimizer_states"][0]["state"][0]["exp_avg"].equal(ref["optimizer_states"][0]["state"][0]["exp_avg"])
+    assert "exact resume: resume verified" in line, line
+    # its config names no class to export: a config naming the module's class does, its arguments from the checkpoint
+    from steadfast.export.formats import load_checkpoint_module
+
+    monkeypatch.syspath_prepend(str(project))
+    (run,) = run_dirs(project, "points")
+    with pytest.raises(ValueError, match=r"give --config FILE with model: your\.Net"):
+        load_checkpoint_module(run / "checkpoints" / "last.ckpt")
+    (project / "export.yaml").write_text("model: mylab.model.Regressor\n")
+    module, _, _ = load_checkpoint_module(run / "checkpoints" / "last.ckpt", project / "export.yaml")
+    assert module.hparams.features == 4 and all(module.state_dict()[k].equal(v) for k, v in ref["state_dict"].items())

@@ -84,7 +84,10 @@ def _recipe(section: Any, what: str) -> dict[str, Any]:
     if isinstance(section, str):  # `model: my.Model`
         section = {"class_path": section}
     if not isinstance(section, dict) or "class_path" not in section:
-        raise ValueError(f"the run's config.yaml names no {what} class_path")
+        raise ValueError(
+            f"the run's config.yaml names no {what} class_path (the config of a LightningCLI of fixed classes, "
+            f"LightningCLI(Net, ...)): give --config FILE with {what}: your.Net, its arguments read from the checkpoint"
+        )
     return {"class_path": section["class_path"], "init_args": section.get("init_args") or {}}
 
 

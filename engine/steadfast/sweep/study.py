@@ -112,7 +112,7 @@ def open_study(sweep: Sweep, create: bool, error: Any) -> optuna.Study:
 
 def _start_helper(argv: list[str]) -> subprocess.Popen:
     # Another worker on the same study: the same command, one worker; it dies with this process.
-    command = [sys.executable, "-m", entry().program, "sweep", *argv, "--workers", "1", "--report", "false"]
+    command = [sys.executable, *entry().launch, "sweep", *argv, "--workers", "1", "--report", "false"]
     return subprocess.Popen(command, preexec_fn=die_with_parent)
 
 

@@ -96,7 +96,7 @@ def trial_command(sweep: Sweep, number: int, params: dict[str, Any]) -> list[str
     # jsonargparse would otherwise apply to the class it replaces
     values = [f"--{key}={value}" for key, value in sorted(params.items(), key=lambda item: item[0].count("."))]
     return [
-        *(sys.executable, "-m", entry().program, "fit", *sweep.fit, "--run.root", str(sweep.folder)),
+        *(sys.executable, *entry().launch, "fit", *sweep.fit, "--run.root", str(sweep.folder)),
         *("--run.name", f"trial_{number}", *values, f"--trainer.callbacks+={json.dumps(report_to_study)}"),
         *("--run.monitor", str(sweep.monitor), "--run.mode", "max" if sweep.direction == "maximize" else "min"),
         *("--ckpt_path", "last"),  # a new trial starts from scratch; a taken-over one resumes
