@@ -66,8 +66,9 @@ What it guarantees, and what user code does to get each guarantee:
 - **Bad input in one line** (``errors``, ``cli``): arguments, configs, checkpoints are checked before anything is
   written; an error every rank raises is printed once, by rank 0, and a run that failed before writing anything
   but its config leaves no folder. Raise ``ValueError`` with the reason from your constructors.
-- **Your model, your data** (``config``, ``export/``): ``--model my.Model``/``--data my.Data`` start from that
-  class's own defaults; ``scripts/export.py`` exports any module with a ``forward`` (``example_input_array``, else
+- **Your model, your data** (``config``, ``cli``, ``export/``): ``--model my.Model``/``--data my.Data`` start from
+  that class's own defaults; a project's own script keeps its ``LightningCLI`` subclass (links, fixed classes) and
+  its config with ``from steadfast import LightningCLI``; ``scripts/export.py`` exports any module with a ``forward`` (``example_input_array``, else
   a batch of its data).
 - **Sweeps that survive a crash** (``sweep/``): an Optuna study whose trials are ordinary ``fit`` runs with every
   guarantee above; killed and restarted, it continues each trial from its ``last.ckpt``. User code: log the metric the
@@ -84,7 +85,7 @@ Optional parts a reader can skip live in subpackages: ``sweep/`` (Optuna studies
 ``sharded/`` (FSDP2 and its folders), ``speed/`` (switches that change how fast, not what is computed).
 """
 
-__version__ = "1.6.3"  # engine/pyproject.toml's; CHANGELOG.md says what each version changes for users
+__version__ = "1.7.0"  # engine/pyproject.toml's; CHANGELOG.md says what each version changes for users
 
 # The public names (docs/engine.md), imported when first used: `import steadfast` alone builds no CLI.
 _PUBLIC = {
