@@ -338,6 +338,7 @@ def test_a_fit_with_a_writer_that_writes_in_place_first_unlinks_last_ckpt_from_t
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI and make test-all; a SIGKILL during a background write: the test above, make test
 def test_sigkill_during_the_end_of_fits_one_write_leaves_whole_files_and_resumes_exactly(reference, tmp_path):
 
     # The end's last.ckpt and the last validation's best-k file are one write: killed half-way through it, no

@@ -367,6 +367,7 @@ def test_unusable_save_dir_is_named_before_anything_runs(trained, parse, tmp_pat
     assert snapshot(trained) == before
 
 
+@pytest.mark.long  # CI and make test-all; a full disk's one line and resume: tests/test_disk_full.py, make test
 def test_disk_full_while_saving_keeps_the_previous_checkpoints_and_resume_works(earlier):
     last = earlier / "runs" / RUN_NAME / "version_0/checkpoints/last.ckpt"
     before = snapshot(earlier)

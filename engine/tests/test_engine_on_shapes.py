@@ -272,7 +272,8 @@ def test_predict_writes_one_row_per_sample_in_dataset_order_as_the_module_comput
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fitted", ["classify", pytest.param("dict_floats", marks=pytest.mark.long)], indirect=True)
+@pytest.mark.long  # CI and make test-all; 2 ranks' predictions merged: tests/test_predictions.py, make test
+@pytest.mark.parametrize("fitted", ["classify", "dict_floats"], indirect=True)
 def test_ddp_predictions_on_2_ranks_merge_into_the_single_process_file(fitted):
     shape, root = fitted
     ckpt = root / "kind" / "version_0" / "checkpoints" / "last.ckpt"

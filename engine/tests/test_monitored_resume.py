@@ -60,7 +60,7 @@ def lr_and_delta(reference, resumed) -> tuple[float, float, float]:
     return lr, want_lr, max((got["state_dict"][k] - v).abs().max().item() for k, v in want["state_dict"].items())
 
 
-@pytest.mark.parametrize("from_engine_1_5", [False, True])
+@pytest.mark.parametrize("from_engine_1_5", [False, pytest.param(True, marks=pytest.mark.long)])  # True: CI
 def test_a_plateau_stepping_every_second_epoch_is_stepped_at_the_resumed_epochs_end(tmp_path, from_engine_1_5):
     """``"frequency": 2``: Lightning steps the plateau after epochs 1 and 3 (LR 0.05 / 4 after 4 epochs). Resumed in
     epoch 1, the step Lightning skips at its end is due and taken (counted as of epoch 1, not of epoch 2, when the
@@ -84,7 +84,7 @@ def test_a_plateau_stepping_every_second_epoch_is_stepped_at_the_resumed_epochs_
     assert lr == want_lr == 0.05 / 4 and delta == 0.0, (lr, want_lr, delta)
 
 
-@pytest.mark.parametrize("every, kill, saved_step", [(1, 8, 6), (2, 14, 12)])
+@pytest.mark.parametrize("every, kill, saved_step", [(1, 8, 6), pytest.param(2, 14, 12, marks=pytest.mark.long)])
 def test_a_resume_from_an_epoch_end_checkpoint_takes_the_plateau_step_its_run_took_after_saving_it(
     tmp_path, every, kill, saved_step
 ):

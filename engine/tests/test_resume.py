@@ -161,6 +161,7 @@ def test_sigterm_saves_last_and_exits_143_and_the_resume_is_exact(uninterrupted,
     assert_same_run(uninterrupted, tmp_path)
 
 
+@pytest.mark.long  # CI and make test-all; SIGTERM's save and resume above, in make test
 def test_sigusr1_outside_slurm_saves_last_and_exits_as_sigterm_and_the_resume_is_exact(uninterrupted, tmp_path):
     # SIGUSR1 is what a scheduler sends ahead of a time limit (SLURM's --signal, others'); outside SLURM the engine
     # takes it as a SIGTERM (steadfast.signals.Preemption.setup). Under SLURM it is Lightning's requeue: test_launch.py

@@ -117,7 +117,10 @@ def test_a_fit_stopped_mid_epoch_then_continued_is_exact(tmp_path):
 ACCUMULATE = ["--trainer.accumulate_grad_batches", "3"]  # 20 batches an epoch: steps after batch 3, 6, ..., 18, 20
 
 
-@pytest.mark.parametrize("how", ["sigterm", "timer", "should_stop"])
+@pytest.mark.parametrize(  # the timer's save in make test; a signal's and a stop's in CI and make test-all
+    "how",
+    [pytest.param("sigterm", marks=pytest.mark.long), "timer", pytest.param("should_stop", marks=pytest.mark.long)],
+)
 def test_a_save_mid_accumulation_waits_for_the_step_and_the_resume_is_exact(tmp_path, how):
     """The gradients of an accumulating step's first batches are in .grad, which no checkpoint holds: a SIGTERM in
     step 18's first batch, a last.ckpt timer due there, or a stop (max_time's) in its second saved mid-step, and the

@@ -305,7 +305,7 @@ def test_a_resumed_stream_whose_first_batch_is_not_the_one_fetched_next_stops_un
         ("tokens", "0"),
         pytest.param("tokens", "2", marks=pytest.mark.long),
         pytest.param("hf", "0", marks=pytest.mark.long),
-        pytest.param("hf", "2", marks=pytest.mark.long),  # make test: a Hugging Face stream below
+        pytest.param("hf", "2", marks=pytest.mark.long),  # a Hugging Face stream's own state: also below
     ],
     ids=lambda x: x,
 )
@@ -370,7 +370,8 @@ def test_a_killed_fit_of_a_map_style_dataset_in_a_stateful_dataloader_resumes_in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", ["0", pytest.param("2", marks=pytest.mark.long)])
+@pytest.mark.long  # CI and make test-all; a loader's own position: the tokens loader's test above is in make test
+@pytest.mark.parametrize("workers", ["0", "2"])
 def test_a_killed_fit_of_litdatas_streaming_loader_resumes_after_the_last_batch_trained_on(workers, tmp_path):
     """LitData's ``StreamingDataset`` in its ``StreamingDataLoader`` (it has a length: Lightning fetches nothing
     ahead, so the checkpoint holds no next batch to compare the first with, and the start line says so)."""
@@ -382,7 +383,8 @@ def test_a_killed_fit_of_litdatas_streaming_loader_resumes_after_the_last_batch_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", ["0", pytest.param("2", marks=pytest.mark.long)])
+@pytest.mark.long  # CI and make test-all; a stream's state in plain loader workers: the first test above, make test
+@pytest.mark.parametrize("workers", ["0", "2"])
 def test_a_killed_fit_of_a_hugging_face_stream_in_a_plain_dataloader_resumes_at_each_workers_state(workers, tmp_path):
     """A Hugging Face ``datasets`` stream (4 shards) in a plain ``DataLoader``: its own ``state_dict``, read in each
     loader worker after each batch (Lightning saves a loader's state only: the epoch restarted, 800 samples twice)."""
@@ -449,9 +451,10 @@ def test_a_shuffled_hugging_face_stream_whose_state_leaves_out_its_buffer_stops_
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI and make test-all; the loaders' states loaded after Lightning's estimate: test_compat, make test
 @pytest.mark.parametrize(
     "flags",
-    [pytest.param(["--data.source", "map", "--trainer.max_epochs", "2"], marks=pytest.mark.long),
+    [["--data.source", "map", "--trainer.max_epochs", "2"],
      ["--data.source", "tokens", "--data.loader", "stateful", "--data.state", "true", "--trainer.max_steps", "50"]],
     ids=["map-dataloader", "stream-statefuldataloader"],
 )  # fmt: skip

@@ -194,6 +194,7 @@ def test_validate_on_1_2_and_3_ranks_sees_each_sample_once(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI and make test-all; what validate under DDP cannot split is named: the test below, make test
 def test_validate_under_ddp_names_a_sampler_it_cannot_replace(tmp_path):
     logged, line = validated(tmp_path, 2, "--data.val_sampler", "own")
     assert (
@@ -215,9 +216,8 @@ def test_validate_under_ddp_without_lightnings_sampler_names_that_each_rank_sees
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("checkpoint", "kill", "saved"), [(EVERY_4_STEPS, 18, 16), pytest.param(EPOCH_END, 28, 24, marks=pytest.mark.long)]
-)
+@pytest.mark.long  # CI and make test-all; plain loaders killed mid-epoch: tests/test_resume.py and the crash above
+@pytest.mark.parametrize(("checkpoint", "kill", "saved"), [(EVERY_4_STEPS, 18, 16), (EPOCH_END, 28, 24)])
 def test_a_killed_fit_of_plain_loaders_resumes_bitwise_equal(checkpoint, kill, saved, tmp_path):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     reference.mkdir()
