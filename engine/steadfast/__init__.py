@@ -68,8 +68,8 @@ What it guarantees, and what user code does to get each guarantee:
   but its config leaves no folder. Raise ``ValueError`` with the reason from your constructors.
 - **Your model, your data** (``config``, ``cli``, ``export/``): ``--model my.Model``/``--data my.Data`` start from
   that class's own defaults; a project's own script keeps its ``LightningCLI`` subclass (links, fixed classes) and
-  its config with ``from steadfast import LightningCLI``; ``scripts/export.py`` exports any module with a ``forward`` (``example_input_array``, else
-  a batch of its data).
+  its config with ``from steadfast import LightningCLI``; ``scripts/export.py`` exports any module with a
+  ``forward`` (``example_input_array``, else a batch of its data).
 - **Sweeps that survive a crash** (``sweep/``): an Optuna study whose trials are ordinary ``fit`` runs with every
   guarantee above; killed and restarted, it continues each trial from its ``last.ckpt``. User code: log the metric the
   sweep monitors (``run.monitor`` unless it names another).

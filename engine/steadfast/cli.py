@@ -73,20 +73,21 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
     ) -> None:
         """Lightning's ``LightningCLI`` with every guarantee of the engine: a project's own script keeps its
         subclass (``add_arguments_to_parser`` and its links, fixed classes, its arguments) and imports this class in
-        place of Lightning's. The engine's callbacks come before ``trainer_defaults``' own; ``parser_kwargs`` (for
-        all subcommands, or per subcommand as Lightning reads them) win over the engine's."""
+        place of Lightning's. ``trainer_defaults``' callbacks join the config's list where the engine reads it (a
+        progress bar or ModelCheckpoint of them counts as the config's), and its ``logger`` replaces the engine's
+        default; ``parser_kwargs`` go where Lightning puts them (flat: the main parser; per subcommand: its own)."""
         argv = sys.argv[1:] if args is None else args
         given = argv[0] if isinstance(argv, list | tuple) and argv else None
         self.only = given if run and given in SUBCOMMANDS else None
         defaults = dict(trainer_defaults or {})
-        callbacks = defaults.get("callbacks") or []
+        given = defaults.get("callbacks") or []
+        self.default_callbacks = [*given] if isinstance(given, list) else [given]  # read with the config's list
         # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run looks
         # finished / predict writes nothing / the saves of one validation are written once each / an LR schedule
         # does not fit the run. (A dead or hung rank's report comes from instantiate_trainer.)
         defaults["callbacks"] = [
             *(Preemption(), StopOnNonFinite(), DestroyProcessGroup(), OneFilePerPoint(), PredictionWriter()),
             FitScheduleToRun(),
-            *(callbacks if isinstance(callbacks, list) else [callbacks]),
         ]
         kwargs.setdefault("save_config_callback", SaveConfigOnce)
         # each error in one line, without the usage line; the short usage atop --help, not all 60 options
@@ -113,12 +114,11 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             rank_zero_only(print)(f"note: no base config at {where}: only the --config files and flags given apply")
         ours = {"default_config_files": [str(default)] if default else [],
                 "usage": "%(prog)s [-h] [-c CONFIG] [--KEY VALUE ...]"}  # fmt: skip
-        per_subcommand = {k: v for k, v in given.items() if k in SUBCOMMANDS}
-        common = {k: v for k, v in given.items() if k not in SUBCOMMANDS}
+        main = {k: v for k, v in given.items() if k not in SUBCOMMANDS}  # Lightning's main parser's, as it reads them
         if not run:
-            return {**ours, **common}
+            return {**ours, **main}
         built = [self.only] if self.only else SUBCOMMANDS
-        return {sub: {**ours, **common, **per_subcommand.get(sub, {})} for sub in built}
+        return {**main, **{sub: {**ours, **given.get(sub, {})} for sub in built}}
 
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
         # Only the parser of the subcommand given is built: each one is the Trainer's ~60 options plus the model's
@@ -136,8 +136,10 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         parser.add_class_arguments(Speed, "speed")
         # Lightning's default logger, TensorBoard, as a parsed default rather than a None the Trainer fills in: a
         # user's --trainer.logger+=CSVLogger then adds to it, as Lightning's docs read, instead of replacing it.
-        # runs.point_loggers_at points it at the run folder; `false` or a list of the user's own replaces it.
-        parser.set_defaults({"trainer.logger": default_logger()})
+        # runs.point_loggers_at points it at the run folder; `false` or a list of the user's own replaces it, and so
+        # does a logger in a script's trainer_defaults.
+        if "logger" not in self.trainer_defaults:
+            parser.set_defaults({"trainer.logger": default_logger()})
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         check_yaml_files(parser, sys.argv[1:] if args is None else args)
@@ -197,7 +199,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = {**cli_section(self, self.config_init, "trainer"), **kwargs}
         callbacks = config.get("callbacks") or []
-        callbacks = [*callbacks] if isinstance(callbacks, list) else [callbacks]
+        callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), *self.default_callbacks]
         # Lightning's bar, redrawn every 10 batches rather than after each (~0.1 ms of Python a redraw); not in the
         # config's callback list, where it would make `--trainer.enable_progress_bar false` an error. A bar the
         # config brings wins.

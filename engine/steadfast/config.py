@@ -3,6 +3,7 @@ the one a run began with."""
 
 import contextlib
 import os
+import shlex
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ class Entry:
 
     @property
     def command(self) -> str:
-        return " ".join(["python", *self.launch])
+        return shlex.join(["python", *self.launch])
 
 
 _DEFAULT = _entry = Entry()

@@ -167,7 +167,8 @@ def one_line(message: str, error: BaseException | None, given: Sequence[str]) ->
     help_command = f"{entry().command} {subcommand} " + (
         f"--{'.'.join(owner[0])}.help {owner[1]}" if owner else "--help"
     )
-    if unknown and owner and owner[1] in ("lightning.LightningModule", "lightning.LightningDataModule"):
+    bases = ("lightning.LightningModule", "lightning.LightningDataModule")
+    if unknown and owner and owner[1] in bases and owner[0] in (["model"], ["data"]):
         # a config a LightningCLI of fixed classes printed (`LightningCLI(Net, Data)`): it names no class
         section = owner[0][0] if owner[0] else keys[0]
         return (
@@ -192,7 +193,7 @@ def one_line(message: str, error: BaseException | None, given: Sequence[str]) ->
         )
     if owner and (missing := re.match(r"the following arguments are required: (.+)", str(cause))):
         return (
-            f"{where}: {class_path} needs {missing[1]} ({help_command} lists its arguments; one your own LightningCLI "
+            f"{where}: {owner[1]} needs {missing[1]} ({help_command} lists its arguments; one your own LightningCLI "
             "script links keeps that script, with its LightningCLI imported from steadfast)"
         )
     if owner and owner[0] == keys:  # no line of the class's module ran: it is not there

@@ -75,7 +75,7 @@ def resume_command(argv: list[str]) -> str:
             args.append(arg)
     if args and args[0] in ("validate", "test", "predict"):
         args[0] = "fit"
-    return shlex.join([*entry().command.split(), *args, "--ckpt_path", "last"])
+    return shlex.join(["python", *entry().launch, *args, "--ckpt_path", "last"])
 
 
 def launched_by_lightning(trainer: L.Trainer) -> bool:

@@ -216,3 +216,34 @@ def test_a_projects_own_lightning_cli_script_with_a_link_keeps_its_config_and_re
     (project / "export.yaml").write_text("model: mylab.model.Regressor\n")
     module, _, _ = load_checkpoint_module(run / "checkpoints" / "last.ckpt", project / "export.yaml")
     assert module.hparams.features == 4 and all(module.state_dict()[k].equal(v) for k, v in ref["state_dict"].items())
+
+
+def test_a_scripts_parser_kwargs_and_trainer_defaults_go_where_lightnings_cli_puts_them(tmp_path, monkeypatch):
+    """A script's other LightningCLI arguments, as Lightning's docs teach them: ``parser_kwargs={"default_env":
+    True}`` reads the Trainer's settings from the environment, and ``trainer_defaults`` holds a logger and
+    callbacks. Each takes effect as in plain Lightning's CLI (the oracle, run beside it); the defaults' progress bar
+    is the run's only one and their ModelCheckpoint judges the run, as one in the config would."""
+    import sys
+
+    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
+    from lightning.pytorch.cli import LightningCLI as PlainCLI
+
+    from steadfast import LightningCLI
+    from tests.fixtures.kinds import Classify, KindData
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["main.py"])
+    monkeypatch.setenv("PL_FIT__TRAINER__MAX_EPOCHS", "2")
+    built = {}
+    for name, cls in (("plain", PlainCLI), ("steadfast", LightningCLI)):
+        bar, best = TQDMProgressBar(refresh_rate=5), ModelCheckpoint(monitor="val/acc", mode="max")
+        cli = cls(Classify, KindData, args=["fit", "--trainer.enable_model_summary", "false"],
+                  parser_kwargs={"default_env": True},
+                  trainer_defaults={"logger": False, "callbacks": [bar, best]})  # fmt: skip
+        built[name] = cli, best
+        bars = [c for c in cli.trainer.callbacks if isinstance(c, ProgressBar)]
+        assert bars == [bar], (name, bars)
+        assert cli.trainer.logger is None and best in cli.trainer.callbacks
+    (plain, _), (ours, best) = built["plain"], built["steadfast"]
+    assert plain.trainer.max_epochs == ours.trainer.max_epochs == 2 and ours.trainer.current_epoch == 2
+    assert ours.judge is best and best.best_model_path, "the defaults' ModelCheckpoint judged and saved the run"
