@@ -130,6 +130,18 @@ def final_weights(folder: Path) -> dict[str, torch.Tensor]:
     return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
 
 
+def resumed_as(project: Path, ref: dict, proc) -> None:
+    """The resumed run ``proc`` ended with the uninterrupted run's weights and optimizer state, its first batch
+    verified."""
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
+    got = final_weights(project)
+    delta = max((got["state_dict"][k] - v).abs().max().item() for k, v in ref["state_dict"].items())
+    print(f"max |delta| {delta} | {line}")
+    assert got["global_step"] == 24 and delta == 0.0
+    assert got["optimizer_states"][0]["state"][0]["exp_avg"].equal(ref["optimizer_states"][0]["state"][0]["exp_avg"])
+    assert "exact resume: resume verified" in line, line
+
+
 def test_an_existing_lightning_project_killed_mid_epoch_resumes_exactly_with_nothing_copied(tmp_path):
     reference = existing_project(tmp_path / "reference")
     steadfast(reference)
@@ -144,13 +156,7 @@ def test_an_existing_lightning_project_killed_mid_epoch_resumes_exactly_with_not
     assert saved["global_step"] == 15 and saved["epoch"] == 1, "precondition: a mid-epoch last.ckpt"
 
     proc = steadfast(project, "--ckpt_path", "last")
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
-    got = final_weights(project)
-    delta = max((got["state_dict"][k] - v).abs().max().item() for k, v in ref["state_dict"].items())
-    print(f"max |delta| {delta} | {line}")
-    assert got["global_step"] == 24 and delta == 0.0
-    assert got["optimizer_states"][0]["state"][0]["exp_avg"].equal(ref["optimizer_states"][0]["state"][0]["exp_avg"])
-    assert "exact resume: resume verified" in line, line
+    resumed_as(project, ref, proc)
     # the user's own ModelCheckpoint judged the run: its monitor is the run's, no example's val/acc
     assert "val/acc" not in proc.stdout + proc.stderr
     assert list(run.glob("checkpoints/epoch=*-step=*.ckpt")), sorted(p.name for p in run.rglob("*.ckpt"))
@@ -198,14 +204,7 @@ def test_a_projects_own_lightning_cli_script_with_a_link_keeps_its_config_and_re
     project = its_own_script(tmp_path / "project")
     proc = script(project, *kill_at(17, settle=True), check=False)
     assert proc.returncode == -9, proc.stderr[-3000:]
-    proc = script(project, "--ckpt_path", "last")
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
-    got = final_weights(project)
-    delta = max((got["state_dict"][k] - v).abs().max().item() for k, v in ref["state_dict"].items())
-    print(f"max |delta| {delta} | {line}")
-    assert got["global_step"] == 24 and delta == 0.0
-    assert got["optimizer_states"][0]["state"][0]["exp_avg"].equal(ref["optimizer_states"][0]["state"][0]["exp_avg"])
-    assert "exact resume: resume verified" in line, line
+    resumed_as(project, ref, script(project, "--ckpt_path", "last"))
     # its config names no class to export: a config naming the module's class does, its arguments from the checkpoint
     from steadfast.export.formats import load_checkpoint_module
 
