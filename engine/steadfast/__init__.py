@@ -90,7 +90,7 @@ __version__ = "1.7.0"  # engine/pyproject.toml's; CHANGELOG.md says what each ve
 # The public names (docs/engine.md), imported when first used: `import steadfast` alone builds no CLI.
 _PUBLIC = {
     "cli_main": "steadfast.main",
-    "LightningCLI": "steadfast.cli",  # its CLI: a project's own script imports it in place of Lightning's
+    "LightningCLI": "steadfast.cli:CLI",  # a project's own script imports it in place of Lightning's
     "LinearWarmupCosineAnnealingLR": "steadfast.schedule",
     "ShardedStrategy": "steadfast.sharded.strategy",
     "ThrottledTensorBoardLogger": "steadfast.loggers",
@@ -104,5 +104,5 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'steadfast' has no attribute {name!r}")
     import importlib
 
-    module = importlib.import_module(_PUBLIC[name])
-    return module.CLI if name == "LightningCLI" else getattr(module, name)
+    module, _, attribute = _PUBLIC[name].partition(":")  # "module" or "module:its name there"
+    return getattr(importlib.import_module(module), attribute or name)

@@ -80,8 +80,8 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         given = argv[0] if isinstance(argv, list | tuple) and argv else None
         self.only = given if run and given in SUBCOMMANDS else None
         defaults = dict(trainer_defaults or {})
-        given = defaults.get("callbacks") or []
-        self.default_callbacks = [*given] if isinstance(given, list) else [given]  # read with the config's list
+        own = defaults.get("callbacks") or []
+        self.default_callbacks = [*own] if isinstance(own, list) else [own]  # read with the config's list
         # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run looks
         # finished / predict writes nothing / the saves of one validation are written once each / an LR schedule
         # does not fit the run. (A dead or hung rank's report comes from instantiate_trainer.)

@@ -170,7 +170,7 @@ def one_line(message: str, error: BaseException | None, given: Sequence[str]) ->
     bases = ("lightning.LightningModule", "lightning.LightningDataModule")
     if unknown and owner and owner[1] in bases and owner[0] in (["model"], ["data"]):
         # a config a LightningCLI of fixed classes printed (`LightningCLI(Net, Data)`): it names no class
-        section = owner[0][0] if owner[0] else keys[0]
+        section = owner[0][0]
         return (
             f"{_where(keys, given, None)}: no {section} class is named for {keys[-1]!r}: give one before the config "
             f"(--{section} my.Class --config FILE) or in it ({section}: {{class_path: my.Class, init_args: ...}}), or "

@@ -19,8 +19,9 @@ def run_cli(program: str, *args: str, cwd: Path, pythonpath: str | None = None, 
     joined = os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)
     path = {"PYTHONPATH": joined} if joined else {}
     full_env = {**os.environ, **path, "PYTHONWARNINGS": "ignore", **(env or {})}
-    launch = [program] if program.endswith(".py") else ["-m", program]
-    proc = subprocess.run([sys.executable, *launch, *args], cwd=cwd, env=full_env, capture_output=True,
+    from steadfast.config import Entry  # how a program name is run, as the engine's printed commands say
+
+    proc = subprocess.run([sys.executable, *Entry(program).launch, *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
     if check and proc.returncode != 0:
         raise AssertionError(f"CLI {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
