@@ -61,12 +61,12 @@ def fit(*args: str, cwd: Path) -> str:
     after other runs, LitData's resume differed from its reference by 0.2 and a Hugging Face stream's loader workers
     failed to start (a local lambda could not be pickled), while a user's resume, a fresh process, is exact."""
     source = args[args.index("--data.source") + 1] if "--data.source" in args else "tokens"
-    if "--trainer.strategy" in args or source not in ("tokens", "map"):
-        proc = cli("fit", *args, cwd=cwd)
-        return next(x for x in proc.stdout.splitlines() if x.startswith("Run "))
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        cli_in_process("fit", *args, root=cwd / "runs")
+    if "--trainer.strategy" in args or source not in ("tokens", "map"):
+        out.write(cli("fit", *args, cwd=cwd).stdout)
+    else:
+        with contextlib.redirect_stdout(out):
+            cli_in_process("fit", *args, root=cwd / "runs")
     return next(x for x in out.getvalue().splitlines() if x.startswith("Run "))
 
 
