@@ -31,6 +31,7 @@ from steadfast.guards import StopOnNonFinite
 from steadfast.hang_watchdog import HangWatchdog
 from steadfast.judge import CheckMonitored, ReadsJudge, judge_of, run_monitor_callbacks, test_best
 from steadfast.loggers import let_appended_loggers_parse
+from steadfast.module_hooks import ModuleHooksBeforeSaves
 from steadfast.monitored_values import MonitoredValues
 from steadfast.one_file_per_point import OneFilePerPoint
 from steadfast.predictions import PredictionWriter
@@ -264,6 +265,9 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             streams,
             resume,
             Trainable(),  # which parameters train: across a resume, and synced under DDP
+            # the module's batch-end and validation-end hooks, before the checkpoint callbacks (which Lightning
+            # lists after all others) rather than after them: the checkpoints saved there hold what they change
+            ModuleHooksBeforeSaves(),
         ]
         if config.get("profiler") is None:
             kwargs["profiler"] = NoProfiler()

@@ -41,6 +41,9 @@ attribute, on a Lightning version where one changed (``LightningChanged``, ``ste
 - ``fit_loop.epoch_loop._batches_that_stepped``: the step Lightning gives the loggers (one per batch that stepped,
   whatever the optimizer steps in it), read to know which logged steps a checkpoint covers
   (``logging_step``, ``steadfast.run_folder``).
+- The module's ``on_train_batch_end`` and ``on_validation_end``, which Lightning calls after every callback's, looked
+  up on the instance: called before the checkpoint callbacks' instead, Lightning's call then a no-op
+  (``call_the_modules_hook_before_the_saves``, ``steadfast.module_hooks``).
 """
 
 import lightning as L
@@ -330,3 +333,42 @@ def logging_step(trainer: L.Trainer) -> int:
         return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
     except AttributeError:
         raise LightningChanged("fit_loop.epoch_loop._batches_that_stepped is gone") from None
+
+
+# The module hooks a checkpoint is saved after (Lightning's ModelCheckpoint saves at a training batch end and at a
+# validation end; the module's hook comes after every callback's)
+HOOKS_BEFORE_SAVES = ("on_train_batch_end", "on_validation_end")
+
+
+class _CalledAlready:
+    """Stands in for a module hook on the instance until Lightning's call of it, which it turns into a no-op."""
+
+    def __init__(self, module: L.LightningModule, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *_: object, **__: object) -> None:
+        vars(self.module).pop(self.name, None)
+
+
+def call_the_modules_hook_before_the_saves(pl_module: L.LightningModule, name: str, *args: object) -> None:
+    """Calls the module's own ``name`` (one of ``HOOKS_BEFORE_SAVES``) now, from a callback listed before the
+    checkpoint callbacks, and makes Lightning's own call of it for this point a no-op: Lightning runs every callback's
+    hook (``call._call_callback_hooks``) and then the module's, looked up on the instance
+    (``call._call_lightning_module_hook``), so a checkpoint saved at that point missed what the module changes there
+    (an EMA updated at a batch end: a batch behind; weights swapped back after validation: the average saved as the
+    weights). Lightning orders ``on_train_epoch_end`` so already (``FitLoop.on_advance_end`` calls the monitoring
+    callbacks after the module). If the stand-in is still there at the next call, Lightning did not call the hook
+    after the callbacks: ``LightningChanged``. Upstream: docs/upstream.md, "Checkpoints saved before the module's
+    own on_train_batch_end and on_validation_end"."""
+    if isinstance(vars(pl_module).get(name), _CalledAlready):
+        del vars(pl_module)[name]
+        raise LightningChanged(f"Lightning did not call the module's {name} after the callbacks' {name}")
+    getattr(pl_module, name)(*args)
+    vars(pl_module)[name] = _CalledAlready(pl_module, name)
+
+
+def forget_the_early_calls(pl_module: L.LightningModule) -> None:
+    """The module's hooks as its class has them again (after an exception between the two calls, or at the end)."""
+    for name in HOOKS_BEFORE_SAVES:
+        if isinstance(vars(pl_module).get(name), _CalledAlready):
+            del vars(pl_module)[name]

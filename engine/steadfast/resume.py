@@ -21,6 +21,7 @@ from steadfast.compat_loops import (
     start_the_epoch_loop_afresh,
 )
 from steadfast.elastic import GlobalBatch, Shape, epoch_note, has_batch_norm
+from steadfast.module_hooks import own_hook
 from steadfast.next_batch import record, verdict, watch
 from steadfast.sample_seeds import generator_states, set_generator_states
 from steadfast.sharded.strategy import ShardedStrategy
@@ -247,21 +248,15 @@ class ExactResume(Callback):
             note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, shape)
             out += [note] if note is not None else []
         module = type(pl_module).__name__  # (None in a unit test's call: no hooks of its own)
-        if pl_module is not None and _own_hook(pl_module, "on_train_batch_end", L.LightningModule):
-            out.append(  # Lightning calls the callbacks' on_train_batch_end (where checkpoints are saved) first
-                f"on_train_batch_end of {module}: Lightning runs it after the callbacks that save checkpoints at a "
-                "batch end, so what it changes there (an EMA, a counter) is a batch behind in those checkpoints: "
-                "change it in on_before_zero_grad or on_train_batch_start"
-            )
         if self._epoch_start_skipped:
-            skipped = [type(c).__name__ for c in trainer.callbacks if _own_hook(c, "on_train_epoch_start", Callback)]
+            skipped = [type(c).__name__ for c in trainer.callbacks if own_hook(c, "on_train_epoch_start", Callback)]
             if skipped:
                 out.append(
                     f"on_train_epoch_start of {', '.join(skipped)}: Lightning does not call a callback's epoch start "
                     "on a resume inside an epoch, so what it sets for the epoch is as this process built it until the "
                     "next epoch"
                 )
-            if _own_hook(pl_module, "on_train_epoch_start", L.LightningModule):
+            if own_hook(pl_module, "on_train_epoch_start", L.LightningModule):
                 out.append(
                     f"on_train_epoch_start of {module}: called again on this resume inside an epoch (Lightning skips "
                     "it): what it sets from the epoch continues exactly, what it adds to (a list or count the "
@@ -305,14 +300,6 @@ class ExactResume(Callback):
             self._metrics_to_restore = None  # each rank's share of an epoch's metrics belongs to its old data split
             return
         set_generator_states(ranks[trainer.global_rank])
-
-
-def _own_hook(obj: Any, name: str, base: type) -> bool:
-    """Whether ``obj`` (a callback, a module) has hook ``name`` written outside Lightning and the engine (a subclass
-    of Lightning's callback that keeps Lightning's hook has not)."""
-    hook = getattr(type(obj), name, None)
-    where = getattr(hook, "__module__", "") or ""
-    return hook is not getattr(base, name) and not where.startswith(("lightning.", "steadfast."))
 
 
 def _set_the_scheduled_accumulation(trainer: L.Trainer) -> None:

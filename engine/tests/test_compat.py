@@ -1325,3 +1325,52 @@ def test_fit_loop_restarted_mid_epoch_says_at_train_start_that_lightning_skips_t
     resumed = Module()
     L.Trainer(enable_checkpointing=False, **quiet).fit(resumed, ckpt_path=str(tmp_path / f"step={step}.ckpt"))
     assert resumed.seen == [("train_start", 1, True), ("epoch_start", 2, None)]
+
+
+def test_the_modules_batch_end_and_validation_end_run_once_before_the_checkpoint_callbacks(tmp_path):
+    """Lightning lists the checkpoint callbacks after all others, calls each callback's hook and then the module's,
+    looked up on the instance: ``call_the_modules_hook_before_the_saves``, from a callback, runs the module's hook
+    before the checkpoint callbacks' and Lightning's own call is then a no-op (each hook once per point). If
+    Lightning stops calling the module's hook after the callbacks', the next early call says so."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from steadfast.compat import LightningChanged
+    from steadfast.compat_loops import call_the_modules_hook_before_the_saves, forget_the_early_calls
+
+    seen: list[tuple] = []
+
+    class Module(BoringModel):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            seen.append(("module", batch_idx))
+
+        def on_validation_end(self):
+            seen.append(("module", "validation"))
+
+    class Saves(ModelCheckpoint):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(("checkpoint", batch_idx))
+
+        def on_validation_end(self, trainer, pl_module):
+            seen.append(("checkpoint", "validation"))
+
+    class Early(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            call_the_modules_hook_before_the_saves(pl_module, "on_train_batch_end", outputs, batch, batch_idx)
+
+        def on_validation_end(self, trainer, pl_module):
+            call_the_modules_hook_before_the_saves(pl_module, "on_validation_end")
+
+    module = Module()
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0,
+                        callbacks=[Saves(dirpath=tmp_path), Early()], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(module)
+    assert seen == [("module", 0), ("checkpoint", 0), ("module", 1), ("checkpoint", 1), ("module", "validation"),
+                    ("checkpoint", "validation")]  # fmt: skip
+    assert not {"on_train_batch_end", "on_validation_end"} & set(vars(module))
+    call_the_modules_hook_before_the_saves(module, "on_validation_end")  # and Lightning's call of it never comes
+    with pytest.raises(LightningChanged, match="did not call the module's on_validation_end after the callbacks'"):
+        call_the_modules_hook_before_the_saves(module, "on_validation_end")
+    call_the_modules_hook_before_the_saves(module, "on_train_batch_end", None, None, 0)
+    forget_the_early_calls(module)
+    assert not {"on_train_batch_end", "on_validation_end"} & set(vars(module))
