@@ -84,11 +84,13 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         own = defaults.get("callbacks") or []
         self.default_callbacks = [*own] if isinstance(own, list) else [own]  # read with the config's list
         # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run looks
-        # finished / predict writes nothing / the saves of one validation are written once each / an LR schedule
-        # does not fit the run. (A dead or hung rank's report comes from instantiate_trainer.)
+        # finished / predict writes nothing / the saves of one validation are written once each. (A dead or hung
+        # rank's report comes from instantiate_trainer.) Lightning lists these after instantiate_trainer's, and the
+        # checkpoint callbacks after all: the module's batch-end and validation-end hooks come last, right before the
+        # checkpoint callbacks rather than after them, so the checkpoints saved there hold what those hooks change.
         defaults["callbacks"] = [
             *(Preemption(), StopOnNonFinite(), DestroyProcessGroup(), OneFilePerPoint(), PredictionWriter()),
-            FitScheduleToRun(),
+            ModuleHooksBeforeSaves(),
         ]
         kwargs.setdefault("save_config_callback", SaveConfigOnce)
         # each error in one line, without the usage line; the short usage atop --help, not all 60 options
@@ -263,11 +265,9 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             HangWatchdog(runs.hang_timeout, failures.report),
             loaders,  # the engine's samplers in the user's loaders
             streams,
+            FitScheduleToRun(),  # the LR schedule fitted to the run, before the resume compares its rates
             resume,
             Trainable(),  # which parameters train: across a resume, and synced under DDP
-            # the module's batch-end and validation-end hooks, before the checkpoint callbacks (which Lightning
-            # lists after all others) rather than after them: the checkpoints saved there hold what they change
-            ModuleHooksBeforeSaves(),
         ]
         if config.get("profiler") is None:
             kwargs["profiler"] = NoProfiler()

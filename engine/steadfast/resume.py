@@ -85,6 +85,8 @@ class ExactResume(Callback):
         self._verdict: tuple[str, str] | None = None
         self._epoch_loop_afresh = False  # the checkpoint's ended epoch was counted complete (compat)
         self._threads_saved: int | None = None  # the CPU threads the checkpoint was computed on
+        self._saved_lrs: list[list[float]] | None = None  # each optimizer's param groups' rates in the checkpoint
+        self._lr_changed: str | None = None  # how this resume's rates differ from them when training starts
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -108,6 +110,7 @@ class ExactResume(Callback):
         # the one after it (any monitored or every-N-epochs checkpoint; plain Lightning's too)
         if trainer.state.fn == "fit" and start_the_epoch_after_an_ended_one(checkpoint, trainer.max_steps):
             self._epoch_loop_afresh = True
+        self._saved_lrs = _param_group_lrs(checkpoint.get("optimizer_states"))
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -200,6 +203,8 @@ class ExactResume(Callback):
                         "was never trained, with the random streams as they were at the exception"
                     ),
                 )
+            elif self._lr_changed is not None and self._verdict[0] != "differs":
+                self._verdict = ("differs", f"no: {self._lr_changed}")
             elif self._mid_step:
                 self._verdict = (
                     "differs",
@@ -285,6 +290,8 @@ class ExactResume(Callback):
             self._scheduled = resized is None or resized[0] == resized[1]
             load_the_loader_states_lightning_left(trainer)  # after estimated_stepping_batches (Lightning #20550)
             watch(trainer)  # its first batch, for ``verify``
+            # after the optimizers, schedules and callbacks' on_train_start (an LR schedule fitted to the run)
+            self._lr_changed = _lr_change(self._saved_lrs, trainer.optimizers)
             if lightning_skips_the_epoch_start(trainer):
                 # before the epoch's iterator fetches a batch (a curriculum stage set on the dataset reaches it) and
                 # before the random streams are set (draws it makes are the uninterrupted run's, made before its save)
@@ -300,6 +307,33 @@ class ExactResume(Callback):
             self._metrics_to_restore = None  # each rank's share of an epoch's metrics belongs to its old data split
             return
         set_generator_states(ranks[trainer.global_rank])
+
+
+def _param_group_lrs(states: Any) -> list[list[float]] | None:
+    """The learning rate of each param group of each optimizer in a checkpoint's ``optimizer_states`` (``None``
+    where it holds none in that form: a weights-only save, a sharded one)."""
+    try:
+        return [[float(group["lr"]) for group in state["param_groups"]] for state in states]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _lr_change(saved: list[list[float]] | None, optimizers: list[Any]) -> str | None:
+    """The first param group whose rate at the start of a resumed fit is not the one the checkpoint holds, which
+    is the rate its run would have used next (Lightning restores both the optimizer and the schedule): said, else
+    ``None``."""
+    now = [[float(group["lr"]) for group in optimizer.param_groups] for optimizer in optimizers]
+    if saved is None or [len(groups) for groups in saved] != [len(groups) for groups in now]:
+        return None
+    for i, (before, after) in enumerate(zip(saved, now, strict=True)):
+        for j, (was, rate) in enumerate(zip(before, after, strict=True)):
+            if was != rate:
+                return (
+                    f"optimizer {i}'s param group {j} resumes at learning rate {rate:.6g}, where the checkpoint's run "
+                    f"would have trained on at {was:.6g}: something set it again on this resume (an LR schedule "
+                    "fitted to another length of run, a changed setting, a callback's on_train_start)"
+                )
+    return None
 
 
 def _set_the_scheduled_accumulation(trainer: L.Trainer) -> None:

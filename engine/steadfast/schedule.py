@@ -63,6 +63,9 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
         self.warmup_epochs, self.max_epochs, self.unit = warmup_epochs, max_epochs, unit  # as given, in units
         # W and M in scheduler steps: the counts as given (pl_bolts) until fit_to converts them to this run's steps
         self.warmup_steps, self.total_steps = warmup_epochs, UNENDING if max_epochs is None else max_epochs
+        # optimizer steps an epoch, as the run's first fit counted them; a checkpoint keeps it (the state dict is
+        # __dict__), so a resume converts its epochs as the uninterrupted run did, whatever its own epoch's length
+        self.steps_per_epoch: int | None = None
         self.warmup_start_lr = warmup_start_lr
         self.eta_min = eta_min
         super().__init__(optimizer, last_epoch)
@@ -87,9 +90,15 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
         warmup is shortened to the run and one line says so.
         """
         # the constructor checked the counts; _horizon keeps warmup <= total
+        self.steps_per_epoch = self.steps_per_epoch or _steps_per_epoch(trainer)
         self.warmup_steps, self.total_steps, note = _horizon(trainer, self.warmup_epochs, self.max_epochs, self.unit,
-                                                             interval)  # fmt: skip
+                                                             interval, self.steps_per_epoch)  # fmt: skip
         self._apply_lr()
+        if self.unit == "epoch" and interval == "step" and trainer.reload_dataloaders_every_n_epochs > 0:
+            note = "; ".join([*filter(None, [note]), (
+                f"an epoch is counted as {self.steps_per_epoch} steps (the first epoch's), but the train loaders are "
+                "reloaded each epoch and may change length: give the schedule in steps (unit 'step') to count them"
+            )])  # fmt: skip
         if note:
             rank_zero_info(f"LR schedule: {note}")
 
@@ -134,10 +143,17 @@ def _check_horizon(warmup_epochs: int, max_epochs: int) -> None:  # the construc
         raise ValueError(f"warmup_epochs ({warmup_epochs}) must be <= max_epochs ({max_epochs})")
 
 
-def _horizon(trainer: Any, warmup: int, max_schedule: int | None, unit: str, interval: str) -> tuple[int, int, str]:
-    """(warmup, total) in scheduler steps, and what was adapted (empty when nothing was)."""
+def _steps_per_epoch(trainer: Any) -> int | None:
+    """Optimizer steps in the epoch training starts in (``None``: a train loader without a length)."""
     batches = trainer.num_training_batches
-    per_epoch = max(1, -(-int(batches) // trainer.accumulate_grad_batches)) if batches != float("inf") else None
+    return max(1, -(-int(batches) // trainer.accumulate_grad_batches)) if batches != float("inf") else None
+
+
+def _horizon(
+    trainer: Any, warmup: int, max_schedule: int | None, unit: str, interval: str, per_epoch: int | None
+) -> tuple[int, int, str]:
+    """(warmup, total) in scheduler steps, and what was adapted (empty when nothing was), an epoch counted as
+    ``per_epoch`` optimizer steps."""
     max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
     max_steps = trainer.max_steps if trainer.max_steps >= 0 else None
     if unit == "epoch" and interval == "step":

@@ -9,6 +9,7 @@ import torch
 
 from steadfast.schedule import FitScheduleToRun, LinearWarmupCosineAnnealingLR
 from tests.fixtures.stand_in import SAMPLES, BlobsDataModule, StandIn
+from tests.helpers import QUIET, cli_in_process, crash_in_process, max_abs_diff
 
 
 def formula(t: int, b: float, w: int, m: int, ws: float, eta: float) -> float:
@@ -165,3 +166,55 @@ def test_a_schedule_saved_by_engine_1_4_resumes_at_its_horizon_in_steps():
     resumed.load_state_dict(old)
     assert (resumed.warmup_epochs, resumed.max_epochs, resumed.warmup_steps, resumed.total_steps) == (2, 10, 6, 30)
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(formula(7, 0.1, 6, 30, 0.0, 0.0))
+
+
+def test_a_schedule_in_epochs_resumes_on_its_runs_curve_when_the_epochs_change_length(tmp_path, capsys, caplog):
+    """A curriculum (4, 5, 6, 6 batches in epochs 0-3: the train set grows, reloaded each epoch) under the stand-in's
+    schedule in epochs, stepped every step. The resume from step 10 (epoch 2) fitted the schedule to its own epoch's
+    6 steps where the run had counted 4: another LR curve from there, 1.28e-2 off the uninterrupted run under
+    ``resume verified`` (measured). The checkpoint keeps the run's count: bit-equal, and the run says how it counts."""
+    flags = [*QUIET, "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches",
+             "1", "--model.warmup", "1", "--data", "tests.fixtures.curriculum.Curriculum",
+             "--trainer.reload_dataloaders_every_n_epochs", "1", "--trainer.callbacks+=ModelCheckpoint",
+             "--trainer.callbacks.every_n_train_steps=5", "--trainer.callbacks.save_top_k=0",
+             "--trainer.callbacks.save_last=true", "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+    cli_in_process("fit", *flags, root=tmp_path / "reference")
+    assert "LR schedule: an epoch is counted as 4 steps (the first epoch's)" in caplog.text
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *flags, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=13",
+                       root=tmp_path / "resumed")  # fmt: skip
+    last = {name: tmp_path / name / "curriculum" / "version_0" / "checkpoints" / "last.ckpt"
+            for name in ("reference", "resumed")}  # fmt: skip
+    saved = torch.load(last["resumed"], weights_only=True)
+    assert (saved["global_step"], saved["epoch"]) == (10, 2)  # epoch 2 (6 batches) after epochs of 4 and 5
+    capsys.readouterr()
+    cli_in_process("fit", *flags, "--ckpt_path", "last", root=tmp_path / "resumed")
+    start = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Run /")][-1]
+    assert "exact resume: resume verified" in start, start
+    ref, got = (torch.load(last[name], weights_only=True) for name in ("reference", "resumed"))
+    assert got["global_step"] == ref["global_step"] == 21
+    assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
+    assert max_abs_diff(got["optimizer_states"], ref["optimizer_states"]) == 0.0
+
+
+def test_a_resume_whose_learning_rate_is_not_the_checkpoints_says_no_with_both_rates(tmp_path, capsys):
+    """A 4-epoch run (6 steps an epoch, warmup 1 epoch, the schedule spanning the run) killed after its step-8 save
+    and resumed with ``max_epochs`` 6: the schedule is fitted to 36 steps where the checkpoint's run had 24, so step 9
+    trains at another rate than the checkpoint's run would have. The data is the same, the start line says ``no``
+    and gives both rates (the closed form's, not the engine's)."""
+    flags = [*QUIET, "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches",
+             "1", "--model.warmup", "1", "--trainer.callbacks+=ModelCheckpoint",
+             "--trainer.callbacks.every_n_train_steps=4", "--trainer.callbacks.save_top_k=0",
+             "--trainer.callbacks.save_last=true", "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
+    last = crash_in_process(10, *flags, root=tmp_path)
+    saved = torch.load(last, weights_only=True)
+    was, now = (formula(8, 3e-3, 6, m, 3e-3 / 6, 0.0) for m in (24, 36))
+    assert saved["global_step"] == 8 and saved["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(was)
+    capsys.readouterr()
+    cli_in_process("fit", *flags, "--ckpt_path", "last", "--trainer.max_epochs", "6", root=tmp_path)
+    start = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Run /")][-1]
+    said = (
+        f"exact resume: no: optimizer 0's param group 0 resumes at learning rate {now:.6g}, where the checkpoint's run "
+        f"would have trained on at {was:.6g}"
+    )
+    assert said in start, start
