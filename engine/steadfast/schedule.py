@@ -39,7 +39,8 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
 
     ``warmup_epochs`` and ``max_epochs`` count ``unit``s. Under the engine (``FitScheduleToRun``) a schedule in
     epochs that Lightning steps every optimizer step (``"interval": "step"``) is converted at the start of training
-    to the run's real steps per epoch, and ``max_epochs=None`` spans the run. Without it, "epochs" are scheduler
+    to the run's real steps per epoch (its first epoch's, kept across resumes), and ``max_epochs=None`` spans the
+    run. Without it, "epochs" are scheduler
     steps, as in pl_bolts. The rate is a pure function of ``last_epoch``, so it neither drifts nor depends on how
     many times ``step()`` was called before a checkpoint was taken.
 
