@@ -49,6 +49,7 @@ from steadfast.speed.profiler import NoProfiler
 from steadfast.speed.switches import MatmulPrecision, Speed, SpeedSwitch
 from steadfast.stream_resume import StreamResume
 from steadfast.trainable import Trainable
+from steadfast.tuners import leave_out_on_a_resume
 from steadfast.user_loaders import UserLoaders
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -245,6 +246,11 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         if config.get("logger") in (False, []) and any(isinstance(c, LearningRateMonitor) for c in callbacks):
             # it refuses a Trainer without a logger; `--trainer.logger false` should not need a second flag
             callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+        if self.subcommand == "fit":  # a tuner searches in the run's first fit only
+            resuming = self.config["fit"].get("ckpt_path") is not None
+            callbacks, not_again = leave_out_on_a_resume(callbacks, resuming, batches)
+            if guarantees is not None:
+                guarantees.tuners_not_run_again = not_again
         # What judges the run, found once and handed to what reads its best (the summary, a sweep's trial), to the
         # resume record (which names it in each checkpoint) and to after_fit / the sweep
         self.judge = judge_of(callbacks, monitor)

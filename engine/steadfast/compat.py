@@ -31,6 +31,8 @@ attribute, on a Lightning version where one changed.
   (``count_pending_saves_as_files``, ``steadfast.one_file_per_point``).
 - The keys LightningCLI adds to ``hparams`` (``CLI_HPARAM_KEYS``, ``steadfast.judge``).
 - The ``ddp`` launcher's ``procs`` (``launched_children``, ``steadfast.rank_failures``).
+- ``BatchSizeFinder._batch_arg_name``: the attribute it scales, set from a checkpoint on a resume that leaves the
+  tuner out (``batch_size_finders_attribute``, ``steadfast.tuners``).
 - ``DDPStrategy._setup_model`` / ``_register_ddp_hooks``: a new ``DistributedDataParallel`` around the module mid-fit,
   as ``configure_ddp`` built the first, when the parameters that train are no longer those DDP was built with
   (``rewrap_ddp``, ``steadfast.trainable``).
@@ -227,6 +229,14 @@ def count_pending_saves_as_files(callback: Any, pending: Callable[[Any, L.Traine
 
 def restore_file_exists(callback: Any) -> None:
     vars(callback).pop("file_exists", None)
+
+
+def batch_size_finders_attribute(finder: Any) -> str:
+    """The attribute a ``BatchSizeFinder`` scales (its ``batch_arg_name``, kept as ``_batch_arg_name``)."""
+    name = getattr(finder, "_batch_arg_name", None)
+    if not isinstance(name, str):
+        raise LightningChanged("BatchSizeFinder._batch_arg_name is gone")
+    return name
 
 
 def launched_children(trainer: L.Trainer) -> list[Any]:

@@ -45,6 +45,7 @@ class Guarantees(Callback):
         self.plan, self.unknown_loggers, self.policy, self.streams = plan, unknown_loggers, policy, streams
         self.resume, self.loaders = resume, loaders  # what verifies a resume; what says what each loader gives up
         self.switches = list(switches or [])  # the speed switches on (``speed.Speed``'s and the config's)
+        self.tuners_not_run_again: list[str] = []  # a resume's tuners left out (``steadfast.tuners``)
         self._to_print = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -152,6 +153,11 @@ class Guarantees(Callback):
             out.append("sharded: each rank evaluates a padded share, so a few validation samples count twice")
         out += [
             f"logger {name}: unknown to the engine, a resume starts a new run in it" for name in self.unknown_loggers
+        ]
+        out += [
+            f"{name}: not run again on this resume, whose run continues with what it found at the start (its search "
+            "would leave the checkpoint's optimizer, schedule and step unrestored)"
+            for name in self.tuners_not_run_again
         ]
         if verdict is not None:  # a resume: what its first batch showed
             exact = verdict[1] + ("; see opts out" if out else "")

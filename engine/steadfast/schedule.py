@@ -103,6 +103,14 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
         if note:
             rank_zero_info(f"LR schedule: {note}")
 
+    def start_from(self, base_lrs: list[float]) -> None:
+        """Base rates set before training's first step (a ``LearningRateFinder``'s result, ``steadfast.tuners``):
+        the curve runs from them, as if the optimizer had been built with them."""
+        self.base_lrs = list(base_lrs)
+        for group, lr in zip(self.optimizer.param_groups, base_lrs, strict=True):
+            group["initial_lr"] = lr
+        self._apply_lr()
+
     def load_state_dict(self, state_dict: dict) -> None:
         if "max_schedule" in state_dict:  # engine <= 1.4.0 kept the counts as given in warmup/max_schedule, and
             # the horizon in steps in warmup_epochs/max_epochs

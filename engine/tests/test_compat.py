@@ -1374,3 +1374,46 @@ def test_the_modules_batch_end_and_validation_end_run_once_before_the_checkpoint
     call_the_modules_hook_before_the_saves(module, "on_train_batch_end", None, None, 0)
     forget_the_early_calls(module)
     assert not {"on_train_batch_end", "on_validation_end"} & set(vars(module))
+
+
+def test_a_tuner_callbacks_search_takes_the_fits_checkpoint_for_its_own_and_sets_the_rate_it_found(tmp_path):
+    """What ``steadfast.tuners`` works around, in plain Lightning: after a ``LearningRateFinder``'s search (in its
+    ``on_fit_start``) ``trainer.ckpt_path`` is the search's temporary file, the rate it found is on every param group,
+    and on a resume the search consumed the loaded checkpoint, so training starts at step 0, not at the checkpoint's
+    step 4. If this fails because Lightning restores the resume's state after the search, ``steadfast.tuners`` can
+    let a resume search again. And ``BatchSizeFinder._batch_arg_name``."""
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from steadfast.compat import batch_size_finders_attribute
+
+    assert batch_size_finders_attribute(BatchSizeFinder(batch_arg_name="per_device")) == "per_device"
+    seen: dict = {}
+
+    class Probe(L.Callback):
+        def on_fit_start(self, trainer, pl_module):  # after the finder's: Lightning lists tuners first
+            seen["ckpt_path"] = trainer.ckpt_path
+            seen["lrs"] = [group["lr"] for group in trainer.optimizers[0].param_groups]
+
+        def on_train_start(self, trainer, pl_module):
+            seen["step"] = trainer.global_step
+
+    class Module(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lr = 0.1
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.layer.parameters(), lr=self.lr)
+
+    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0}
+    finder = LearningRateFinder(num_training_steps=20)
+    saves = ModelCheckpoint(dirpath=tmp_path / "saves", every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    L.Trainer(max_steps=4, callbacks=[Probe(), finder, saves], default_root_dir=tmp_path, **quiet).fit(Module())
+    assert Path(seen["ckpt_path"]).name.startswith(".lr_find_")
+    found = finder.optimal_lr.suggestion()
+    assert found is not None and seen["lrs"] == [found]
+    trainer = L.Trainer(max_steps=8, callbacks=[Probe(), LearningRateFinder(num_training_steps=20)],
+                        default_root_dir=tmp_path, enable_checkpointing=False, **quiet)  # fmt: skip
+    trainer.fit(Module(), ckpt_path=tmp_path / "saves" / "step=4.ckpt")
+    assert seen["step"] == 0
