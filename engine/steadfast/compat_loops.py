@@ -317,12 +317,26 @@ def lightning_skips_the_epoch_start(trainer: L.Trainer) -> bool:
         raise LightningChanged("FitLoop.restarted_mid_epoch is gone") from None
 
 
-def start_the_epoch_lightning_skipped(pl_module: L.LightningModule) -> None:
+def start_the_epoch_lightning_skipped(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
     """Lightning 2.6 starts the epoch a resume lands in without calling ``on_train_epoch_start``: mid-epoch
     (``FitLoop.restarted_mid_epoch``), and after a checkpoint taken at the previous epoch's last batch end. The
     module's epoch-start work (e.g. a loss weight set from the epoch, train metrics reset) would be skipped and the
     resumed run would differ from the uninterrupted one. The caller calls this only when the hook did not run for
-    this epoch, so on a Lightning that calls it, this is never reached."""
+    this epoch, so on a Lightning that calls it, this is never reached.
+
+    In the second case (``FitLoop.reset`` counted the checkpoint's epoch processed: ``epoch_progress.current``'s
+    ``processed == started``) Lightning also leaves the new epoch uncounted as ready and started, so every later
+    checkpoint's ``epoch_progress`` was one epoch short there (7 of 8 after an 8-epoch run) and a resume from it took
+    another restart path: extended to 10 epochs, it trained 7 more steps where the uninterrupted run's trained 12
+    (measured, a save at the last batch end of an epoch without validation). It is counted here, as
+    ``FitLoop.on_advance_start`` counts an epoch it starts."""
+    try:
+        progress = trainer.fit_loop.epoch_progress
+        if progress.current.processed == progress.current.started:
+            progress.increment_ready()
+            progress.increment_started()
+    except AttributeError as error:
+        raise LightningChanged(f"fit_loop.epoch_progress has no {error.name}") from None
     pl_module.on_train_epoch_start()
 
 

@@ -295,7 +295,7 @@ class ExactResume(Callback):
             if lightning_skips_the_epoch_start(trainer):
                 # before the epoch's iterator fetches a batch (a curriculum stage set on the dataset reaches it) and
                 # before the random streams are set (draws it makes are the uninterrupted run's, made before its save)
-                start_the_epoch_lightning_skipped(pl_module)
+                start_the_epoch_lightning_skipped(trainer, pl_module)
                 self._epoch_start_skipped = True
         resized = self.batches.resized
         if resized is not None and resized[0] != resized[1]:

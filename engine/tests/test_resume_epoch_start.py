@@ -146,3 +146,25 @@ def test_an_average_swapped_in_for_validation_is_swapped_back_in_the_checkpoints
     got = torch.load(_last(tmp_path / "resumed"), weights_only=True)["state_dict"]
     assert max_abs_diff(got, ref) == 0.0
     assert resumed.judge.best_model_score == reference.judge.best_model_score
+
+
+def test_a_resume_from_an_epochs_last_batch_end_counts_the_next_epoch_and_its_checkpoints_resume_again(tmp_path):
+    """Validation every 2 epochs, a save at epoch 0's last batch end (no validation there) and a crash after it.
+    Lightning starts epoch 1 of the resume without counting it ready and started, so each later checkpoint's
+    ``epoch_progress`` was one epoch short (3 of 4): the weights were bit-equal, but that run's last.ckpt, extended to
+    5 epochs, trained 1 more step where the uninterrupted run's trained 6 (another restart path). Now both counts and
+    the extension are the uninterrupted run's."""
+    flags = [*BASE, "--model.max_schedule", "5", "--trainer.check_val_every_n_epoch", "2", *saving_every(6)]
+    cli_in_process("fit", *flags, root=tmp_path / "reference")
+    last = crash_in_process(7, *flags, root=tmp_path / "resumed")
+    saved = torch.load(last, weights_only=True)
+    epochs = saved["loops"]["fit_loop"]["epoch_progress"]["current"]
+    assert (saved["global_step"], epochs["started"], epochs["processed"]) == (6, 1, 0)  # epoch 0's last batch end
+    cli_in_process("fit", *flags, "--ckpt_path", "last", root=tmp_path / "resumed")
+    ref, got = (torch.load(_last(tmp_path / name), weights_only=True) for name in ("reference", "resumed"))
+    assert got["loops"]["fit_loop"]["epoch_progress"] == ref["loops"]["fit_loop"]["epoch_progress"]
+    for name in ("reference", "resumed"):
+        cli_in_process("fit", *flags, "--trainer.max_epochs", "5", "--ckpt_path", "last", root=tmp_path / name)
+    ref, got = (torch.load(_last(tmp_path / name), weights_only=True) for name in ("reference", "resumed"))
+    assert got["global_step"] == ref["global_step"] == 30
+    assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
