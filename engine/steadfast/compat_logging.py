@@ -20,6 +20,11 @@ tests/test_compat.py fails, naming the attribute, on a Lightning version where o
   saved in a checkpoint and set again at a resumed fit's first validation (``evaluation_logging_steps``,
   ``continue_evaluation_logging_steps``, ``steadfast.run_folder``): Lightning starts it at 0 in every process.
 
+- The training epoch loop's ``_ResultCollection`` (``fit_loop.epoch_loop._results``): each ``_ResultMetric``'s
+  ``value``/``cumulated_batch_size`` of a tensor logged with ``on_epoch=True``, saved in a checkpoint and given back
+  before its first update of a resumed epoch through ``update_metrics`` replaced on the instance
+  (``epoch_accumulators``, ``continue_epoch_accumulators``, ``steadfast.resume``).
+
 On a layout these functions do not know they raise ``LightningChanged`` (``steadfast.compat``).
 """
 
@@ -285,3 +290,57 @@ def continue_evaluation_logging_steps(trainer: Any, steps: dict[int, int]) -> No
     except AttributeError as error:
         raise LightningChanged(f"fit_loop.epoch_loop.val_loop has no {error.name}") from None
     seen.update({int(k): int(v) for k, v in steps.items()})
+
+
+# A tensor value's running state in a ``_ResultMetric``: its sum (or max, min) and, for a mean, its samples
+_ACCUMULATORS = ("value", "cumulated_batch_size")
+
+
+def epoch_accumulators(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """The running state of each tensor the training hooks logged with ``on_epoch=True`` this epoch, by its key in
+    the training epoch loop's ``_ResultCollection`` (``fit_loop.epoch_loop._results``): Lightning sums it there
+    (``_ResultMetric.update``) and saves none of it, so after a mid-epoch resume an epoch value such as
+    ``train/loss_epoch`` covered the resumed batches only. A torchmetrics ``Metric`` logged so is not here: its own
+    state is (``steadfast.resume``)."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    try:
+        results = trainer.fit_loop.epoch_loop._results
+        logged = {key: m for key, m in results.items() if isinstance(m, _ResultMetric) and m.is_tensor}
+        return {key: {name: getattr(m, name).detach().clone() for name in _ACCUMULATORS if hasattr(m, name)}
+                for key, m in logged.items() if m.meta.on_epoch and m.update_called}  # fmt: skip
+    except AttributeError as error:
+        raise LightningChanged(f"the training loop's logged values have no {error.name}") from None
+
+
+def continue_epoch_accumulators(trainer: Any, saved: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Gives each key of ``saved`` (``epoch_accumulators`` of a checkpoint) its running state back right before its
+    first update of the resumed epoch, so the sum goes on in the uninterrupted run's order (bit-equal):
+    ``_ResultCollection.update_metrics``, which ``log`` calls after it made the key's ``_ResultMetric``, is replaced
+    on the training loop's instance until each key has had it (``stop_continuing_epoch_accumulators`` at the epoch's
+    end for a key not logged again)."""
+    try:
+        results = trainer.fit_loop.epoch_loop._results
+        update = type(results).update_metrics
+    except AttributeError as error:
+        raise LightningChanged(f"the training loop's logged values have no {error.name}") from None
+    pending = dict(saved)
+
+    def update_metrics(key: str, value: Any, batch_size: int) -> None:
+        state = pending.pop(key, None)
+        if state is not None:
+            metric = results[key]
+            for name, tensor in state.items():
+                setattr(metric, name, tensor.to(getattr(metric, name).device))
+        if not pending:
+            vars(results).pop("update_metrics", None)
+        update(results, key, value, batch_size)
+
+    if pending:
+        results.update_metrics = update_metrics
+
+
+def stop_continuing_epoch_accumulators(trainer: Any) -> None:
+    results = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_results", None)
+    if results is not None:
+        vars(results).pop("update_metrics", None)

@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from torchmetrics import Metric
 
+from steadfast.compat_logging import continue_epoch_accumulators, epoch_accumulators, stop_continuing_epoch_accumulators
 from steadfast.compat_loops import (
     batch_under_way,
     batches_accumulated,
@@ -71,6 +72,9 @@ class ExactResume(Callback):
         self._metrics: dict[str, Metric] = {}
         self._not_trained: dict[str, Metric] = {}  # not updated by a training step yet: validation's, or unused
         self._metrics_to_restore: list[dict[str, dict[str, Any]]] | None = None
+        # each rank's running sums of the tensors training logged with on_epoch=True (compat_logging), given back
+        # on a resume mid-epoch
+        self._logged_to_restore: list[dict[str, dict[str, torch.Tensor]]] | None = None
         self._loaded = False  # the checkpoint resumed from held this callback's state
         self._mid_step = 0  # the batches into an accumulation the checkpoint was saved at
         self._mid_batch: list[int] | None = None  # [epoch, batch] under way when the checkpoint was saved
@@ -121,6 +125,9 @@ class ExactResume(Callback):
         metrics, self._metrics_to_restore = self._metrics_to_restore, None
         if metrics is not None and batch_idx > 0:  # mid-epoch; a resume at an epoch's start begins it afresh
             _set_metric_states(self._metrics, metrics[trainer.global_rank])
+        logged, self._logged_to_restore = self._logged_to_restore, None
+        if logged is not None and batch_idx > 0:
+            continue_epoch_accumulators(trainer, logged[trainer.global_rank])
         # Lightning hands a step's values (and an epoch's, train/acc ...) to the loggers after the batch-end and
         # epoch-end hooks where checkpoints are saved, and a resume from that checkpoint does not log them again:
         # each went out as it came (flush_each_save), as a kill may come before this hook (while the next batch
@@ -137,6 +144,12 @@ class ExactResume(Callback):
         # (Empty after the first steps of most modules: a few property reads per step.)
         for name in [name for name, metric in self._not_trained.items() if metric.update_called]:
             del self._not_trained[name]
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        stop_continuing_epoch_accumulators(trainer)  # a key the resumed epoch did not log again
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        stop_continuing_epoch_accumulators(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
@@ -159,7 +172,9 @@ class ExactResume(Callback):
             under_way = batch_under_way(trainer)
             more["mid_batch"] = [trainer.current_epoch, under_way] if under_way is not None else None
         if trainer is None or trainer.world_size == 1:
-            return {"ranks": [generator_states()], "metrics": [_metric_states(trained)], "threads": threads, **more}
+            logged = epoch_accumulators(trainer) if trainer is not None and trainer.state.fn == "fit" else {}
+            return {"ranks": [generator_states()], "metrics": [_metric_states(trained)], "logged": [logged],
+                    "threads": threads, **more}  # fmt: skip
         # the same metrics on every rank, so that every rank runs the same gathers
         flags = torch.tensor([name not in self._not_trained for name in self._metrics], dtype=torch.uint8)
         device = trainer.strategy.root_device  # NCCL gathers only device tensors
@@ -167,19 +182,22 @@ class ExactResume(Callback):
         trained = {name: m for (name, m), keep in zip(self._metrics.items(), anywhere, strict=True) if keep}
         trained = {name: m for name, m in trained.items() if all(map(torch.is_tensor, m.metric_state.values()))}
         mine = {**generator_states(), **{f"metric:{k}": v for k, v in _flat_metric_states(trained).items()}}
+        mine.update({f"logged:{k}": v for k, v in _flat_logged(trainer).items()})
         gathered = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}
         # clone: a view would be saved with (and set_rng_state would read from) the start of the whole storage
         ranks = [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]
-        rng = [{k: v for k, v in rank.items() if not k.startswith("metric:")} for rank in ranks]
+        rng = [{k: v for k, v in rank.items() if not k.startswith(("metric:", "logged:"))} for rank in ranks]
         metrics = [
             _nest({k[len("metric:") :]: v for k, v in rank.items() if k.startswith("metric:")}) for rank in ranks
         ]
-        return {"ranks": rng, "metrics": metrics, "threads": threads, **more}
+        logged = [_nest_logged(rank) for rank in ranks]
+        return {"ranks": rng, "metrics": metrics, "logged": logged, "threads": threads, **more}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = True
         self._to_restore = state_dict["ranks"]
         self._metrics_to_restore = state_dict.get("metrics")  # absent from checkpoints of earlier versions
+        self._logged_to_restore = state_dict.get("logged")  # absent from those of engine 1.7.0 and before
         self.saved_world = len(state_dict["ranks"])
         self.batches.saved = Shape(**state_dict["shape"]) if "shape" in state_dict else None
         self.saved_epoch_samples = state_dict.get("epoch_samples")
@@ -245,7 +263,8 @@ class ExactResume(Callback):
             out.append(
                 f"the checkpoint holds the random streams of {self.saved_world} rank(s), this run has "
                 f"{trainer.world_size}: draws from a rank's generators (dropout, augmentation) differ from the "
-                "original run from here on; randomness seeded per sample from (seed, epoch, index) follows"
+                "original run from here on; randomness seeded per sample from (seed, epoch, index) follows; a resume "
+                "mid-epoch logs this epoch's training values over the batches after it"
             )
         shape, resized = self.batches.shape, self.batches.resized
         if self.saved_epoch_samples is not None and shape is not None and self.batches.saved != shape:
@@ -305,8 +324,30 @@ class ExactResume(Callback):
             return
         if len(ranks) != trainer.world_size:  # another number of ranks: the start line says what does not follow
             self._metrics_to_restore = None  # each rank's share of an epoch's metrics belongs to its old data split
+            self._logged_to_restore = None
             return
         set_generator_states(ranks[trainer.global_rank])
+
+
+def _flat_logged(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """This rank's ``epoch_accumulators`` as ``NAME:KEY`` -> tensor, over the keys and names of rank 0's (broadcast),
+    so every rank gathers the same tensors in the same order (a key this rank never logged: rank 0's value)."""
+    own = epoch_accumulators(trainer) if trainer.state.fn == "fit" else {}
+    template = trainer.strategy.broadcast({k: {n: t.cpu() for n, t in v.items()} for k, v in own.items()})
+    return {
+        f"{name}:{key}": own.get(key, {}).get(name, tensor).to(trainer.strategy.root_device)
+        for key, state in sorted(template.items())
+        for name, tensor in state.items()
+    }
+
+
+def _nest_logged(rank: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for flat, tensor in rank.items():
+        if flat.startswith("logged:"):
+            name, key = flat[len("logged:") :].split(":", 1)
+            out.setdefault(key, {})[name] = tensor
+    return out
 
 
 def _param_group_lrs(states: Any) -> list[list[float]] | None:

@@ -1417,3 +1417,33 @@ def test_a_tuner_callbacks_search_takes_the_fits_checkpoint_for_its_own_and_sets
                         default_root_dir=tmp_path, enable_checkpointing=False, **quiet)  # fmt: skip
     trainer.fit(Module(), ckpt_path=tmp_path / "saves" / "step=4.ckpt")
     assert seen["step"] == 0
+
+
+def test_the_training_loops_logged_values_keep_their_running_sums_in_result_metrics_that_a_resume_continues():
+    """``epoch_accumulators`` reads each ``_ResultMetric``'s ``value`` and ``cumulated_batch_size`` of a tensor logged
+    with ``on_epoch=True`` from ``fit_loop.epoch_loop._results``; ``continue_epoch_accumulators`` gives them to a fresh
+    collection's metric before its first ``update_metrics``, so the epoch's mean covers the batches of both."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    from steadfast.compat_logging import continue_epoch_accumulators, epoch_accumulators
+
+    def trainer_of(results):
+        return SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_results=results)))
+
+    before = _ResultCollection(training=True)
+    for value in (1.0, 2.0):
+        before.log("training_step", "loss", torch.tensor(value), on_step=False, on_epoch=True, batch_size=2)
+    before.log("training_step", "top", torch.tensor(5.0), on_step=False, on_epoch=True, reduce_fx="max")
+    before.log("training_step", "now", torch.tensor(7.0), on_step=True, on_epoch=False)  # no epoch value: left out
+    saved = epoch_accumulators(trainer_of(before))
+    assert saved == {"training_step.loss": {"value": torch.tensor(6.0), "cumulated_batch_size": torch.tensor(4)},
+                     "training_step.top": {"value": torch.tensor(5.0)}}  # fmt: skip
+    after = _ResultCollection(training=True)
+    continue_epoch_accumulators(trainer_of(after), saved)
+    after.log("training_step", "loss", torch.tensor(3.0), on_step=False, on_epoch=True, batch_size=2)
+    assert "update_metrics" in vars(after)  # "top" not logged again yet
+    after.log("training_step", "top", torch.tensor(4.0), on_step=False, on_epoch=True, reduce_fx="max")
+    assert "update_metrics" not in vars(after)
+    assert after["training_step.loss"].compute() == 2.0 and after["training_step.top"].compute() == 5.0
