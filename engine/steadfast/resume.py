@@ -310,7 +310,9 @@ class ExactResume(Callback):
             load_the_loader_states_lightning_left(trainer)  # after estimated_stepping_batches (Lightning #20550)
             watch(trainer)  # its first batch, for ``verify``
             # after the optimizers, schedules and callbacks' on_train_start (an LR schedule fitted to the run)
-            self._lr_changed = _lr_change(self._saved_lrs, trainer.optimizers)
+            # (a plateau schedule's step pending at the save is taken at this start: steadfast.monitored_values)
+            plateaus = {id(c.scheduler.optimizer) for c in trainer.lr_scheduler_configs if c.reduce_on_plateau}
+            self._lr_changed = _lr_change(self._saved_lrs, trainer.optimizers, plateaus)
             if lightning_skips_the_epoch_start(trainer):
                 # before the epoch's iterator fetches a batch (a curriculum stage set on the dataset reaches it) and
                 # before the random streams are set (draws it makes are the uninterrupted run's, made before its save)
@@ -359,14 +361,16 @@ def _param_group_lrs(states: Any) -> list[list[float]] | None:
         return None
 
 
-def _lr_change(saved: list[list[float]] | None, optimizers: list[Any]) -> str | None:
+def _lr_change(saved: list[list[float]] | None, optimizers: list[Any], skipped: set[int]) -> str | None:
     """The first param group whose rate at the start of a resumed fit is not the one the checkpoint holds, which
     is the rate its run would have used next (Lightning restores both the optimizer and the schedule): said, else
-    ``None``."""
+    ``None``. Optimizers whose ``id`` is in ``skipped`` are not compared."""
     now = [[float(group["lr"]) for group in optimizer.param_groups] for optimizer in optimizers]
     if saved is None or [len(groups) for groups in saved] != [len(groups) for groups in now]:
         return None
     for i, (before, after) in enumerate(zip(saved, now, strict=True)):
+        if id(optimizers[i]) in skipped:
+            continue
         for j, (was, rate) in enumerate(zip(before, after, strict=True)):
             if was != rate:
                 return (

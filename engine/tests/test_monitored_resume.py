@@ -107,7 +107,10 @@ def test_a_resume_from_an_epoch_end_checkpoint_takes_the_plateau_step_its_run_to
         saved["global_step"],
         epochs,
     )
-    cli("fit", *every_epoch, "--ckpt_path", "last", cwd=resumed)
+    proc = cli("fit", *every_epoch, "--ckpt_path", "last", cwd=resumed)
     lr, want_lr, delta = lr_and_delta(reference, resumed)
     assert lr == want_lr == 0.05 / 2 ** (4 // every), (lr, want_lr)
     assert delta == 0.0 and scored(run) == scored(ref_run), (delta, scored(run), scored(ref_run))
+    # the plateau step taken at the resume's start is the checkpoint's run's: not a rate set again (it said no)
+    (start,) = [line for line in proc.stdout.splitlines() if "exact resume:" in line]
+    assert "exact resume: resume verified" in start, start
