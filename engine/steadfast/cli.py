@@ -86,12 +86,12 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         self.default_callbacks = [*own] if isinstance(own, list) else [own]  # read with the config's list
         # Always on, whatever callbacks a config lists: without them a resume is not exact / a preempted run looks
         # finished / predict writes nothing / the saves of one validation are written once each. (A dead or hung
-        # rank's report comes from instantiate_trainer.) Lightning lists these after instantiate_trainer's, and the
-        # checkpoint callbacks after all: the module's batch-end and validation-end hooks come last, right before the
-        # checkpoint callbacks rather than after them, so the checkpoints saved there hold what those hooks change.
+        # rank's report comes from instantiate_trainer.) The module's batch-end and validation-end hooks run before
+        # the callbacks that save there rather than after them, so the checkpoints saved there hold what they change.
+        preemption = Preemption()
         defaults["callbacks"] = [
-            *(Preemption(), StopOnNonFinite(), DestroyProcessGroup(), OneFilePerPoint(), PredictionWriter()),
-            ModuleHooksBeforeSaves(),
+            *(preemption, StopOnNonFinite(), DestroyProcessGroup(), OneFilePerPoint(), PredictionWriter()),
+            ModuleHooksBeforeSaves(saves_at_batch_end=preemption),
         ]
         kwargs.setdefault("save_config_callback", SaveConfigOnce)
         # each error in one line, without the usage line; the short usage atop --help, not all 60 options
@@ -248,7 +248,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
         if self.subcommand == "fit":  # a tuner searches in the run's first fit only
             resuming = self.config["fit"].get("ckpt_path") is not None
-            callbacks, not_again = leave_out_on_a_resume(callbacks, resuming, batches)
+            callbacks, not_again = leave_out_on_a_resume(callbacks, resuming, resume)
             if guarantees is not None:
                 guarantees.tuners_not_run_again = not_again
         # What judges the run, found once and handed to what reads its best (the summary, a sweep's trial), to the

@@ -307,7 +307,8 @@ def epoch_accumulators(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
     try:
         results = trainer.fit_loop.epoch_loop._results
         logged = {key: m for key, m in results.items() if isinstance(m, _ResultMetric) and m.is_tensor}
-        return {key: {name: getattr(m, name).detach().clone() for name in _ACCUMULATORS if hasattr(m, name)}
+        return {key: {name: getattr(m, name).detach().to("cpu", copy=True) for name in _ACCUMULATORS
+                      if hasattr(m, name)}
                 for key, m in logged.items() if m.meta.on_epoch and m.update_called}  # fmt: skip
     except AttributeError as error:
         raise LightningChanged(f"the training loop's logged values have no {error.name}") from None

@@ -155,8 +155,9 @@ class Guarantees(Callback):
             f"logger {name}: unknown to the engine, a resume starts a new run in it" for name in self.unknown_loggers
         ]
         out += [
-            f"{name}: not run again on this resume, whose run continues with what it found at the start (its search "
-            "would leave the checkpoint's optimizer, schedule and step unrestored)"
+            f"{name}: not run on this resume (nor at a later epoch, for a subclass that searches there), which "
+            "continues with the rate and batch size the checkpoint holds (its search would leave the checkpoint's "
+            "optimizer, schedule and step unrestored)"
             for name in self.tuners_not_run_again
         ]
         if verdict is not None:  # a resume: what its first batch showed

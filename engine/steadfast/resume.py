@@ -91,6 +91,8 @@ class ExactResume(Callback):
         self._threads_saved: int | None = None  # the CPU threads the checkpoint was computed on
         self._saved_lrs: list[list[float]] | None = None  # each optimizer's param groups' rates in the checkpoint
         self._lr_changed: str | None = None  # how this resume's rates differ from them when training starts
+        # set by steadfast.tuners while a fresh fit's tuners save and restore their temporary checkpoint: not a resume
+        self.loads_are_a_tuners = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -110,6 +112,8 @@ class ExactResume(Callback):
         reopen_an_epoch_stopped_mid_way(checkpoint)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if self.loads_are_a_tuners:
+            return
         # Under max_steps Lightning ends an epoch-end checkpoint's epoch again: the next epoch would draw the order of
         # the one after it (any monitored or every-N-epochs checkpoint; plain Lightning's too)
         if trainer.state.fn == "fit" and start_the_epoch_after_an_ended_one(checkpoint, trainer.max_steps):
@@ -150,6 +154,9 @@ class ExactResume(Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         stop_continuing_epoch_accumulators(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        stop_continuing_epoch_accumulators(trainer)  # Lightning skips teardown after some exceptions
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
@@ -194,6 +201,8 @@ class ExactResume(Callback):
         return {"ranks": rng, "metrics": metrics, "logged": logged, "threads": threads, **more}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.loads_are_a_tuners:  # its shape would be taken for a checkpoint's run to keep the global batch of
+            return
         self._loaded = True
         self._to_restore = state_dict["ranks"]
         self._metrics_to_restore = state_dict.get("metrics")  # absent from checkpoints of earlier versions
@@ -309,7 +318,7 @@ class ExactResume(Callback):
             self._scheduled = resized is None or resized[0] == resized[1]
             load_the_loader_states_lightning_left(trainer)  # after estimated_stepping_batches (Lightning #20550)
             watch(trainer)  # its first batch, for ``verify``
-            # after the optimizers, schedules and callbacks' on_train_start (an LR schedule fitted to the run)
+            # after FitScheduleToRun's on_train_start (listed before this callback): an LR schedule fitted to the run
             # (a plateau schedule's step pending at the save is taken at this start: steadfast.monitored_values)
             plateaus = {id(c.scheduler.optimizer) for c in trainer.lr_scheduler_configs if c.reduce_on_plateau}
             self._lr_changed = _lr_change(self._saved_lrs, trainer.optimizers, plateaus)
@@ -332,15 +341,23 @@ class ExactResume(Callback):
 
 
 def _flat_logged(trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    """This rank's ``epoch_accumulators`` as ``NAME:KEY`` -> tensor, over the keys and names of rank 0's (broadcast),
-    so every rank gathers the same tensors in the same order (a key this rank never logged: rank 0's value)."""
+    """This rank's ``epoch_accumulators`` as ``NAME:KEY`` -> tensor over the keys any rank logged, with a ``present``
+    flag per key (a key this rank never logged: zeros, not restored), so every rank gathers the same tensors in the
+    same order."""
     own = epoch_accumulators(trainer) if trainer.state.fn == "fit" else {}
-    template = trainer.strategy.broadcast({k: {n: t.cpu() for n, t in v.items()} for k, v in own.items()})
-    return {
-        f"{name}:{key}": own.get(key, {}).get(name, tensor).to(trainer.strategy.root_device)
-        for key, state in sorted(template.items())
-        for name, tensor in state.items()
-    }
+    kinds: list[Any] = [None] * trainer.world_size
+    torch.distributed.all_gather_object(kinds, {k: {n: str(t.dtype) for n, t in v.items()} for k, v in own.items()})
+    union: dict[str, dict[str, str]] = {}
+    for rank in kinds:
+        for key, names in rank.items():
+            union.setdefault(key, {}).update(names)
+    device, out = trainer.strategy.root_device, {}
+    for key, names in sorted(union.items()):
+        out[f"present:{key}"] = torch.tensor(int(key in own), dtype=torch.uint8, device=device)
+        for name, dtype in sorted(names.items()):
+            zero = torch.zeros((), dtype=getattr(torch, dtype.removeprefix("torch.")))
+            out[f"{name}:{key}"] = own.get(key, {}).get(name, zero).to(device)
+    return out
 
 
 def _nest_logged(rank: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -349,7 +366,7 @@ def _nest_logged(rank: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Ten
         if flat.startswith("logged:"):
             name, key = flat[len("logged:") :].split(":", 1)
             out.setdefault(key, {})[name] = tensor
-    return out
+    return {key: {n: t for n, t in state.items() if n != "present"} for key, state in out.items() if state["present"]}
 
 
 def _param_group_lrs(states: Any) -> list[list[float]] | None:

@@ -18,37 +18,47 @@ from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from lightning.pytorch.utilities.parsing import lightning_setattr
 
 from steadfast.compat import batch_size_finders_attribute
-from steadfast.elastic import GlobalBatch
+from steadfast.resume import ExactResume
 from steadfast.schedule import LinearWarmupCosineAnnealingLR
 
 TUNERS = (LearningRateFinder, BatchSizeFinder)
 
 
 class TunersOnceARun(Callback):
-    """Built by the CLI for a fit with tuners among its callbacks (``leave_out_on_a_resume``): keeps a fresh fit
-    fresh after their search, and on a resume gives a left-out ``BatchSizeFinder``'s attribute the per-device batch
-    size the checkpoint's run trained with (the engine's record of its shape, ``elastic.GlobalBatch``)."""
+    """Built by the CLI for a fit with tuners among its callbacks (``leave_out_on_a_resume``). In a fresh fit: what
+    their temporary checkpoint loads is not a resume's (``ExactResume.loads_are_a_tuners``, whose shape would be
+    taken for the global batch to keep), and the fit stays fresh after their search. On a resume: a left-out
+    ``BatchSizeFinder``'s attribute gets the per-device batch size of the checkpoint's run (the engine's record of
+    its shape, read as the checkpoint loads: before the train loader is built whatever the strategy)."""
 
     def __init__(
-        self, resuming: bool, batch_size_names: list[str], batches: GlobalBatch, lr_finders: list[LearningRateFinder]
+        self, resuming: bool, batch_size_names: list[str], resume: ExactResume, lr_finders: list[LearningRateFinder]
     ) -> None:
-        self.resuming, self.batch_size_names, self.batches = resuming, batch_size_names, batches
+        self.resuming, self.batch_size_names, self.resume = resuming, batch_size_names, resume
         self.lr_finders = lr_finders
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.resume.loads_are_a_tuners = not self.resuming and stage == "fit"
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.resuming:  # after the tuners' own on_fit_start (Lightning lists tuners first)
+            self.resume.loads_are_a_tuners = False
             trainer.ckpt_path = None
             for finder in self.lr_finders:
                 _start_the_schedules_from(trainer, finder)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if not self.resuming or not self.batch_size_names:
             return
-        saved = self.batches.saved  # restored by now; the train loader is built next
+        shape = (checkpoint.get("callbacks") or {}).get(self.resume.state_key, {}).get("shape")
         for name in self.batch_size_names:
-            if saved is None:
+            if shape is None:
                 raise ValueError(
                     f"BatchSizeFinder is not run again on a resume, and the checkpoint holds no record of the "
-                    f"engine's of the batch size its run trained with: give the one it found (--data.{name} N)"
+                    f"engine's of the batch size its run trained with: give the one it found (--data.{name} or "
+                    f"--model.{name}, wherever it is)"
                 )
-            lightning_setattr(pl_module, name, saved.batch_size)
+            lightning_setattr(pl_module, name, shape["batch_size"])
 
 
 def _start_the_schedules_from(trainer: L.Trainer, finder: LearningRateFinder) -> None:
@@ -64,7 +74,7 @@ def _start_the_schedules_from(trainer: L.Trainer, finder: LearningRateFinder) ->
             config.scheduler.start_from([found] * len(config.scheduler.base_lrs))
 
 
-def leave_out_on_a_resume(callbacks: list[Any], resuming: bool, batches: GlobalBatch) -> tuple[list[Any], list[str]]:
+def leave_out_on_a_resume(callbacks: list[Any], resuming: bool, resume: ExactResume) -> tuple[list[Any], list[str]]:
     """The callbacks of a fit, with its tuners left out where it resumes, and their names for the start line."""
     tuners = [c for c in callbacks if isinstance(c, TUNERS)]
     if not tuners:
@@ -73,4 +83,4 @@ def leave_out_on_a_resume(callbacks: list[Any], resuming: bool, batches: GlobalB
     kept = [c for c in callbacks if not (resuming and isinstance(c, TUNERS))]
     left_out = [type(c).__name__ for c in tuners] if resuming else []
     finders = [c for c in tuners if isinstance(c, LearningRateFinder)]
-    return [*kept, TunersOnceARun(resuming, sizes if resuming else [], batches, finders)], left_out
+    return [*kept, TunersOnceARun(resuming, sizes if resuming else [], resume, finders)], left_out

@@ -63,7 +63,7 @@ def test_the_start_line_names_metrics_with_list_states_that_ddp_checkpoints_leav
     assert len(named) == (world_size > 1), notes
 
 
-LOGGED = ("train/loss_epoch", "train/max_logit", "train/samples", "train/acc")
+LOGGED = ("train/loss_epoch", "train/max_logit", "train/samples", "train/late", "train/acc")
 
 
 def _logged_config(tmp_path):
@@ -102,9 +102,9 @@ def test_values_logged_on_epoch_are_the_uninterrupted_runs_after_a_mid_epoch_res
 
 @pytest.mark.long
 def test_values_logged_on_epoch_with_sync_dist_on_2_ranks_are_the_uninterrupted_runs_after_a_kill(tmp_path):
-    """The same on 2 DDP ranks, killed after the save at step 10 (epoch 1, 4 of its 6 batches on each rank): each
-    rank's running sums are in the checkpoint and each rank gets its own back, so the synced epoch mean and the max
-    and sum are the uninterrupted 2-rank run's."""
+    """The same on 2 DDP ranks, killed after the save at step 8 (epoch 1, 2 of its 6 batches on each rank): each
+    rank's running sums are in the checkpoint and each rank gets its own back (rank 1 none of ``train/late``, which
+    it had not logged yet that epoch), so the synced epoch means, the max and the sum are the uninterrupted run's."""
     args = _logged_config(tmp_path)
     for name in ("reference", "resumed"):
         (tmp_path / name).mkdir()
