@@ -102,6 +102,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         # a wait writes what is held first; a point held is one no training batch has changed since
         on_host = self._snapshot.take(checkpoint, before_copying=self.wait, untrained=self._held is not None)
         path = Path(path)
+        # its folder now, not with the file: ModelCheckpoint(save_last="link") links last.ckpt to the file right
+        # after this returns, and a link into a folder not yet there failed the run at its first save
+        path.parent.mkdir(parents=True, exist_ok=True)
         if self._held is not None and self._snapshot.same_point:
             held = self._held
             held.checkpoint = on_host

@@ -165,3 +165,23 @@ def test_a_module_without_validation_is_judged_by_a_training_metric_or_stopped_i
     proc = cli("fit", *no_val, "--run.monitor", "train_mse", "--run.mode", "min", cwd=tmp_path)
     (summary,) = [line for line in proc.stdout.splitlines() if line.startswith("Run summary:")]
     assert "best train_mse" in summary and "best-epoch" in summary, summary
+
+
+def test_a_checkpoint_linking_last_to_its_newest_file_saves_in_the_background_and_resumes_exactly(tmp_path):
+    """``ModelCheckpoint(save_last="link")``: Lightning links last.ckpt to the file it has just saved, which the
+    engine writes in the background into a folder it made with the file: the link failed, and the run stopped at its
+    first save (``No such file or directory``). Now the folder is there at once: the run trains, and its last.ckpt,
+    killed after step 8, resumes to the uninterrupted run's weights."""
+    from tests.helpers import RUN_NAME, cli_in_process, crash_in_process, max_abs_diff
+
+    flags = [*QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches",
+             "1", "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
+             "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_last=link"]  # fmt: skip
+    cli_in_process("fit", *flags, root=tmp_path / "reference")
+    last = crash_in_process(10, *flags, root=tmp_path / "resumed")
+    assert torch.load(last, weights_only=True)["global_step"] == 8
+    cli_in_process("fit", *flags, "--ckpt_path", "last", root=tmp_path / "resumed")
+    ref, got = (torch.load(tmp_path / name / RUN_NAME / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+                for name in ("reference", "resumed"))  # fmt: skip
+    assert got["global_step"] == ref["global_step"] == 12
+    assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
