@@ -283,7 +283,10 @@ def root_cause(error: BaseException) -> BaseException:
 
 
 # Lightning's RuntimeErrors of a step that every rank raises alike, by a part of their message, with what to do
-KNOWN_RUNTIME_ERRORS = {
+# (None: Lightning's message says it)
+KNOWN_RUNTIME_ERRORS: dict[str, str | None] = {
+    # EarlyStopping(strict=True) at the first epoch end where its monitor is not logged, naming what is
+    "Early stopping conditioned on metric": None,
     # DDP's reducer finds parameters without a gradient in a step
     "parameters that were not used in producing the loss": (
         "DDP found parameters that took no part in a step's loss (a GAN's other network, a branch not taken, a "
@@ -307,7 +310,7 @@ def one_line_errors() -> Iterator[None]:
     try:
         yield
     except RuntimeError as error:  # raised alike on every rank: said once, by rank 0, exit code 1 on each
-        said = [fix for part, fix in KNOWN_RUNTIME_ERRORS.items() if part in str(error)]
+        said = [fix or " ".join(str(error).split()) for part, fix in KNOWN_RUNTIME_ERRORS.items() if part in str(error)]
         if debug_requested() or not said:
             raise
         if rank_zero_only.rank != 0:

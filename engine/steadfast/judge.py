@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from steadfast.checkpoint_files import CheckpointLoadError, load_checkpoint_file
 from steadfast.compat import CLI_HPARAM_KEYS, state_key_arguments
+from steadfast.compat_loops import stopping_mid_epoch
 from steadfast.resume import ExactResume
 from steadfast.sharded.folders import is_sharded_checkpoint, read_meta
 
@@ -112,14 +113,17 @@ def _monitors(callbacks: list[Any]) -> set[str]:
 
 
 class CheckMonitored(Callback):
-    """Raises ``ValueError`` (one ``error:`` line) at the end of the first validation if a ``ModelCheckpoint`` or
-    ``EarlyStopping`` monitors a key the module did not log, naming the keys it did log and the setting to change.
+    """Raises ``ValueError`` (one ``error:`` line) if a ``ModelCheckpoint`` or ``EarlyStopping`` monitors a key the
+    module did not log, naming the keys it did log and the setting to change.
 
     Every rank logs the same keys, so every rank raises alike; rank 0 alone prints it (``steadfast.errors``).
-    A monitored training metric (a key starting with ``train``) is checked at the first validation after training,
-    not at the sanity check's; a module without ``validation_step`` at the end of its first training epoch; a fit whose
-    validation is switched off (``limit_val_batches 0``, a debug run) is not checked: Lightning only warns then, as
-    a validation metric cannot be there.
+    A validation metric is checked at the end of the sanity check's validation, or of the first validation. A
+    training metric (a key starting with ``train``), and every key of a module without ``validation_step``, once the
+    first training epoch has ended in full (at the next epoch's start, or the fit's end): an epoch value logged in
+    ``training_step`` is computed after that epoch's validation, and one logged in the module's
+    ``on_train_epoch_end`` after this callback's hook of it, where those monitors act (``EarlyStopping``'s
+    ``check_on_train_epoch_end``). A fit whose validation is switched off (``limit_val_batches 0``, a debug run) is
+    not checked for validation metrics: Lightning only warns then, as one cannot be there.
     ``from_run``: the callbacks the engine built from ``run.monitor`` (the others came with ``trainer.callbacks``);
     ``watchers``: every ``ModelCheckpoint`` and ``EarlyStopping`` with a monitor of the run (the CLI's final list).
     """
@@ -127,31 +131,42 @@ class CheckMonitored(Callback):
     def __init__(self, from_run: list[Callback], watchers: list[Callback] | None = None) -> None:
         self.from_run = from_run
         self.watchers = list(watchers or [])
-        self.checked = False
+        self.checked = False  # the validation metrics
+        self.checked_training = False  # the training metrics (all of a module without validation)
+        self.ended_an_epoch = False
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._check(trainer)
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # A module without validation: what is monitored must be logged in training, by the epoch's end, where its
-        # ModelCheckpoint acts (Lightning would only warn, and the run would end with nothing judged)
-        if not is_overridden("validation_step", pl_module):
-            self._check(trainer)
-
-    def _check(self, trainer: L.Trainer) -> None:
-        if self.checked:
+        if self.checked or not is_overridden("validation_step", pl_module):
             return
-        watchers = self.watchers
         if trainer.sanity_checking and len(trainer.num_sanity_val_batches) > 1:
             # Lightning fills callback_metrics with several validation loaders' keys (val_loss/dataloader_idx_0) only
             # after the sanity check: every key is checked at the first validation after training instead
             return
-        if trainer.sanity_checking:
-            # no training step has logged yet: a training metric (train_loss, train/acc) is checked at the first
-            # validation after training instead, every other key now, before any training
-            watchers = [c for c in watchers if not c.monitor.startswith("train")]
-        else:
-            self.checked = True
+        self.checked = not trainer.sanity_checking
+        when = "the sanity check's validation" if trainer.sanity_checking else "the first validation"
+        self._check(trainer, [c for c in self.watchers if not c.monitor.startswith("train")], when)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # in this process (a resume starts with none logged), in full
+        self.ended_an_epoch = self.ended_an_epoch or not stopping_mid_epoch(trainer)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.ended_an_epoch:
+            self._check_training(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.ended_an_epoch:  # a fit of one epoch: its end
+            self._check_training(trainer, pl_module)
+
+    def _check_training(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.checked_training:
+            return
+        self.checked_training = True
+        without_validation = not is_overridden("validation_step", pl_module)
+        watchers = [c for c in self.watchers if without_validation or c.monitor.startswith("train")]
+        self._check(trainer, watchers, "the first training epoch")
+
+    def _check(self, trainer: L.Trainer, watchers: list[Callback], when: str) -> None:
         missing = next((c for c in watchers if c.monitor not in trainer.callback_metrics), None)
         if missing is None:
             return
@@ -161,8 +176,6 @@ class CheckMonitored(Callback):
         else:
             who = f"the monitor of a {type(missing).__name__} in trainer.callbacks"
             fix = "change that monitor to one of those"
-        when = "the first validation" if trainer.validating else "the first training epoch"
-        when = "the sanity check's validation" if trainer.sanity_checking else when
         keys = ", ".join(sorted(trainer.callback_metrics)) or "nothing"
         raise ValueError(
             f"{who} is {missing.monitor!r}, which the module did not log by the end of {when} (it logs: {keys}): "

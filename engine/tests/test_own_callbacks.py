@@ -185,3 +185,20 @@ def test_a_checkpoint_linking_last_to_its_newest_file_saves_in_the_background_an
                 for name in ("reference", "resumed"))  # fmt: skip
     assert got["global_step"] == ref["global_step"] == 12
     assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
+
+
+def test_an_early_stop_on_a_training_epoch_value_runs_and_a_misspelt_one_stops_in_one_line(tmp_path):
+    """``EarlyStopping(monitor="train/loss_epoch", check_on_train_epoch_end=True)`` on a module with validation: the
+    engine refused it at the first validation's end, where an epoch value of training is not logged yet (Lightning
+    computes it after that validation). Now it runs and stops as configured (no gain of 10 after epoch 0: stopped
+    after epoch 1, step 12); a misspelt monitor still stops the fit in one line, Lightning's, naming the keys."""
+    from tests.helpers import cli_in_process
+
+    flags = [*QUIET, "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches",
+             "1", "--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.check_on_train_epoch_end=true",
+             "--trainer.callbacks.patience=1", "--trainer.callbacks.min_delta=10"]  # fmt: skip
+    run = cli_in_process("fit", *flags, "--trainer.callbacks.monitor=train/loss_epoch", root=tmp_path / "kept")
+    assert run.trainer.global_step == 12
+    with pytest.raises(SystemExit, match="error: Early stopping conditioned on metric `train/loss_epochs` which is "
+                                         "not available. Pass in .* `train/loss_epoch`"):  # fmt: skip
+        cli_in_process("fit", *flags, "--trainer.callbacks.monitor=train/loss_epochs", root=tmp_path / "typo")
