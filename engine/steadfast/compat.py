@@ -31,6 +31,8 @@ attribute, on a Lightning version where one changed.
   (``count_pending_saves_as_files``, ``steadfast.one_file_per_point``).
 - The keys LightningCLI adds to ``hparams`` (``CLI_HPARAM_KEYS``, ``steadfast.judge``).
 - The ``ddp`` launcher's ``procs`` (``launched_children``, ``steadfast.rank_failures``).
+- The key a checkpoint holds a data module's ``state_dict`` under, its class's ``__qualname__``
+  (``datamodule_state_in``, ``steadfast.resume``).
 - ``BatchSizeFinder._batch_arg_name``: the attribute it scales, set from a checkpoint on a resume that leaves the
   tuner out (``batch_size_finders_attribute``, ``steadfast.tuners``).
 - ``DDPStrategy._setup_model`` / ``_register_ddp_hooks``: a new ``DistributedDataParallel`` around the module mid-fit,
@@ -237,6 +239,12 @@ def batch_size_finders_attribute(finder: Any) -> str:
     if not isinstance(name, str):
         raise LightningChanged("BatchSizeFinder._batch_arg_name is gone")
     return name
+
+
+def datamodule_state_in(checkpoint: dict, datamodule: Any) -> Any:
+    """The data module's ``state_dict`` a checkpoint holds (under its class's ``__qualname__``, as
+    ``_CheckpointConnector`` saves and restores it), or ``None``."""
+    return checkpoint.get(type(datamodule).__qualname__) if datamodule is not None else None
 
 
 def launched_children(trainer: L.Trainer) -> list[Any]:

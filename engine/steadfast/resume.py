@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from torchmetrics import Metric
 
+from steadfast.compat import datamodule_state_in
 from steadfast.compat_logging import continue_epoch_accumulators, epoch_accumulators, stop_continuing_epoch_accumulators
 from steadfast.compat_loops import (
     batch_under_way,
@@ -93,6 +94,8 @@ class ExactResume(Callback):
         self._lr_changed: str | None = None  # how this resume's rates differ from them when training starts
         # set by steadfast.tuners while a fresh fit's tuners save and restore their temporary checkpoint: not a resume
         self.loads_are_a_tuners = False
+        self._saved_data_state: Any = None  # the data module's state_dict in the checkpoint
+        self._saved_lists: dict[str, int] = {}  # the module's list attributes filled when it was saved, their lengths
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -119,6 +122,7 @@ class ExactResume(Callback):
         if trainer.state.fn == "fit" and start_the_epoch_after_an_ended_one(checkpoint, trainer.max_steps):
             self._epoch_loop_afresh = True
         self._saved_lrs = _param_group_lrs(checkpoint.get("optimizer_states"))
+        self._saved_data_state = datamodule_state_in(checkpoint, trainer.datamodule)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -166,6 +170,8 @@ class ExactResume(Callback):
         if shape is not None and trainer is not None and trainer.num_training_batches < math.inf:
             # limit_train_batches counts micro-batches: what an epoch was in samples, for a resume on another shape
             more["epoch_samples"] = int(_epoch_samples(trainer, shape))
+        if trainer is not None and trainer.lightning_module is not None:
+            more["lists"] = _filled_lists(trainer.lightning_module)
         if self.judge is not None:  # what ranks the run's files (steadfast.judge), not parsed back from a state key
             more["judge"] = {"monitor": self.judge.monitor, "mode": self.judge.mode, "state_key": self.judge.state_key}
         trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
@@ -214,6 +220,7 @@ class ExactResume(Callback):
         self._next_batch = state_dict.get("next_batch")  # absent from those written before it was recorded
         self._mid_step = state_dict.get("mid_step", 0)
         self._mid_batch = state_dict.get("mid_batch")
+        self._saved_lists = state_dict.get("lists", {})
 
     def verify(self, trainer: L.Trainer) -> tuple[str, str]:
         """``("verified" | "differs" | "unverified", words)`` for the start line: the resumed run's first batch
@@ -232,6 +239,8 @@ class ExactResume(Callback):
                 )
             elif self._lr_changed is not None and self._verdict[0] != "differs":
                 self._verdict = ("differs", f"no: {self._lr_changed}")
+            elif self._verdict[0] != "differs" and (changed := _data_state_change(self._saved_data_state, trainer)):
+                self._verdict = ("differs", f"no: {changed}")
             elif self._mid_step:
                 self._verdict = (
                     "differs",
@@ -281,6 +290,13 @@ class ExactResume(Callback):
             note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, shape)
             out += [note] if note is not None else []
         module = type(pl_module).__name__  # (None in a unit test's call: no hooks of its own)
+        if self._saved_lists and trainer.ckpt_path is not None:
+            lists = ", ".join(f"{name} ({n} items)" for name, n in sorted(self._saved_lists.items()))
+            out.append(
+                f"{lists} of {module}: a list the module filled in training, which no checkpoint holds: what it "
+                "computes from it (an epoch's mean in on_train_epoch_end) covers the batches after this resume; "
+                "self.log(..., on_epoch=True) or a torchmetrics metric keeps such a value"
+            )
         if self._epoch_start_skipped:
             skipped = [type(c).__name__ for c in trainer.callbacks if own_hook(c, "on_train_epoch_start", Callback)]
             if skipped:
@@ -367,6 +383,55 @@ def _nest_logged(rank: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Ten
             name, key = flat[len("logged:") :].split(":", 1)
             out.setdefault(key, {})[name] = tensor
     return {key: {n: t for n, t in state.items() if n != "present"} for key, state in out.items() if state["present"]}
+
+
+def _filled_lists(module: L.LightningModule) -> dict[str, int]:
+    """The module's own list attributes that hold tensors (Lightning 2's ``self.training_step_outputs``), by length."""
+    return {
+        name: len(value)
+        for name, value in vars(module).items()
+        if isinstance(value, list) and value and all(torch.is_tensor(item) or isinstance(item, dict) for item in value)
+    }
+
+
+def _data_state_change(saved: Any, trainer: L.Trainer) -> str | None:
+    """Where the data module's ``state_dict`` at a resumed fit's first batch is not the checkpoint's, which it is in
+    the uninterrupted run at that point: said, else ``None``."""
+    datamodule = trainer.datamodule
+    if saved is None or datamodule is None:
+        return None
+    now = datamodule.state_dict()
+    where = _first_difference(saved, now, "")
+    if where is None:
+        return None
+    return (
+        f"{type(datamodule).__name__}.state_dict(){where} at this resume's first batch is not the checkpoint's: "
+        "a hook ran again on the resume and changed it (train_dataloader, which Lightning calls again for the epoch "
+        "a resume lands in), so the data from here on may not be the uninterrupted run's"
+    )
+
+
+def _first_difference(a: Any, b: Any, path: str) -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            if key not in a or key not in b:
+                return f"{path}[{key!r}]"
+            found = _first_difference(a[key], b[key], f"{path}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        if len(a) != len(b):
+            return path
+        pairs = enumerate(zip(a, b, strict=True))
+        return next((found for i, (x, y) in pairs if (found := _first_difference(x, y, f"{path}[{i}]"))), None)
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        same = torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+        return None if same else path
+    try:
+        return None if a == b else f"{path} ({b!r} where the checkpoint held {a!r})"  # a: saved, b: now
+    except Exception:  # a value that cannot be compared: not a difference found
+        return None
 
 
 def _param_group_lrs(states: Any) -> list[list[float]] | None:

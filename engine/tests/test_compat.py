@@ -1447,3 +1447,22 @@ def test_the_training_loops_logged_values_keep_their_running_sums_in_result_metr
     after.log("training_step", "top", torch.tensor(4.0), on_step=False, on_epoch=True, reduce_fx="max")
     assert "update_metrics" not in vars(after)
     assert after["training_step.loss"].compute() == 2.0 and after["training_step.top"].compute() == 5.0
+
+
+def test_a_checkpoint_holds_the_data_modules_state_under_its_class_qualname(tmp_path):
+    """``datamodule_state_in``: Lightning saves a data module's ``state_dict`` under ``type(dm).__qualname__``."""
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    from steadfast.compat import datamodule_state_in
+
+    class Staged(BoringDataModule):
+        def state_dict(self):
+            return {"stage": 3}
+
+    data = Staged()
+    trainer = L.Trainer(max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(BoringModel(), datamodule=data)
+    trainer.save_checkpoint(tmp_path / "saved.ckpt")
+    saved = torch.load(tmp_path / "saved.ckpt", weights_only=True)
+    assert datamodule_state_in(saved, data) == {"stage": 3} and datamodule_state_in(saved, None) is None

@@ -199,6 +199,6 @@ def test_an_early_stop_on_a_training_epoch_value_runs_and_a_misspelt_one_stops_i
              "--trainer.callbacks.patience=1", "--trainer.callbacks.min_delta=10"]  # fmt: skip
     run = cli_in_process("fit", *flags, "--trainer.callbacks.monitor=train/loss_epoch", root=tmp_path / "kept")
     assert run.trainer.global_step == 12
-    with pytest.raises(SystemExit, match="error: Early stopping conditioned on metric `train/loss_epochs` which is "
-                                         "not available. Pass in .* `train/loss_epoch`"):  # fmt: skip
+    with pytest.raises(SystemExit, match=r"error: Early stopping conditioned on metric `train/loss_epochs` which is "
+                                         r"not available\. Pass in .* `train/loss_epoch`"):  # fmt: skip
         cli_in_process("fit", *flags, "--trainer.callbacks.monitor=train/loss_epochs", root=tmp_path / "typo")
