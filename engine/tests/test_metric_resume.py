@@ -9,38 +9,10 @@ from tests.helpers import DDP2, QUIET, cli, cli_in_process, scalars
 
 
 def test_a_mid_epoch_resume_logs_the_uninterrupted_runs_epoch_metric(tmp_path):
-    path = tmp_path / "metric.yaml"
-    path.write_text(
-        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args:\n"
-        "        save_top_k: 0\n        save_last: true\n        enable_version_counter: false\n"
-        "        every_n_train_steps: 4\n"
-        "model:\n  class_path: tests.fixtures.metric_module.MetricModel\n"
-        "data:\n  class_path: tests.fixtures.metric_module.MetricData\n"
-    )
-    # batch_size too: the base config's data.init_args.batch_size (64) carries over to any data class that has one
-    args = [
-        "--config",
-        str(path),
-        *QUIET,
-        "--data.batch_size",
-        "8",
-        "--run.monitor",
-        "null",
-        "--trainer.max_epochs",
-        "2",
-    ]
-    cli_in_process("fit", *args, root=tmp_path / "reference")
-    with pytest.raises(RuntimeError, match="injected crash"):
-        cli_in_process("fit", *args, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=18",
-                       root=tmp_path / "resumed")  # fmt: skip
-    (run,) = (tmp_path / "resumed" / "metric").glob("version_*")
-    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    reference, run, saved = _killed_at_step_18_and_resumed(_config(tmp_path, "MetricModel"), tmp_path)
     done = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"]
-    assert saved["global_step"] == 16 and 0 < done < 12  # mid-epoch: epoch 1, 4 of its 12 batches
+    assert 0 < done < 12  # mid-epoch: epoch 1, 4 of its 12 batches
     assert not any("train_acc" in key for key in saved["state_dict"])  # the weights alone
-    cli_in_process("fit", *args, "--ckpt_path", "last", root=tmp_path / "resumed")
-
-    (reference,) = (tmp_path / "reference" / "metric").glob("version_*")
     expected, got = scalars(reference)["train/acc"], scalars(run)["train/acc"]
     print(f"train/acc uninterrupted {expected}, resumed {got}")
     assert len(expected) == 2 and got[-1] == expected[-1]  # epoch 1's value, over all 12 batches
@@ -66,34 +38,43 @@ def test_the_start_line_names_metrics_with_list_states_that_ddp_checkpoints_leav
 LOGGED = ("train/loss_epoch", "train/max_logit", "train/samples", "train/late", "train/acc")
 
 
-def _logged_config(tmp_path):
-    path = tmp_path / "logged.yaml"
+def _config(tmp_path, model: str) -> list[str]:
+    """``fit`` arguments: ``tests.fixtures.metric_module.MODEL`` on its data, 2 epochs of 12 batches of 8, a
+    last.ckpt every 4 steps."""
+    path = tmp_path / "metric.yaml"
     path.write_text(
         "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args:\n"
         "        save_top_k: 0\n        save_last: true\n        enable_version_counter: false\n"
         "        every_n_train_steps: 4\n"
-        "model:\n  class_path: tests.fixtures.metric_module.LoggedModel\n"
+        f"model:\n  class_path: tests.fixtures.metric_module.{model}\n"
         "data:\n  class_path: tests.fixtures.metric_module.MetricData\n"
     )
+    # batch_size too: the base config's data.init_args.batch_size (64) carries over to any data class that has one
     return ["--config", str(path), *QUIET, "--data.batch_size", "8", "--run.monitor", "null", "--trainer.max_epochs",
             "2"]  # fmt: skip
 
 
-def test_values_logged_on_epoch_are_the_uninterrupted_runs_after_a_mid_epoch_resume(tmp_path):
-    """``self.log(name, tensor, on_epoch=True)``, the plain habit: Lightning sums the epoch's values in the loop and
-    saves none of it, so epoch 1's ``train/loss_epoch`` after a resume at its 4th batch was the mean of the 8 batches
-    after it (measured: 2.1647 where the uninterrupted run logged 2.1877, with the stand-in). Now each value, mean,
-    max and sum, is the uninterrupted run's, bit for bit."""
-    args = _logged_config(tmp_path)
+def _killed_at_step_18_and_resumed(args: list[str], tmp_path):
+    """The uninterrupted run, and a run crashed at step 18 and resumed from its last.ckpt of step 16: their run
+    folders and that checkpoint."""
     cli_in_process("fit", *args, root=tmp_path / "reference")
     with pytest.raises(RuntimeError, match="injected crash"):
         cli_in_process("fit", *args, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=18",
                        root=tmp_path / "resumed")  # fmt: skip
     (run,) = (tmp_path / "resumed" / "metric").glob("version_*")
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-    assert saved["global_step"] == 16  # mid-epoch: epoch 1, 4 of its 12 batches
+    assert saved["global_step"] == 16
     cli_in_process("fit", *args, "--ckpt_path", "last", root=tmp_path / "resumed")
     (reference,) = (tmp_path / "reference" / "metric").glob("version_*")
+    return reference, run, saved
+
+
+def test_values_logged_on_epoch_are_the_uninterrupted_runs_after_a_mid_epoch_resume(tmp_path):
+    """``self.log(name, tensor, on_epoch=True)``, the plain habit: Lightning sums the epoch's values in the loop and
+    saves none of it, so epoch 1's ``train/loss_epoch`` after a resume at its 4th batch was the mean of the 8 batches
+    after it (measured: 0.8664 where the uninterrupted run logged 0.8724). Now each value, mean, max and sum, is the
+    uninterrupted run's, bit for bit."""
+    reference, run, _ = _killed_at_step_18_and_resumed(_config(tmp_path, "LoggedModel"), tmp_path)
     expected, got = scalars(reference), scalars(run)
     for tag in LOGGED:
         assert len(expected[tag]) == 2 and got[tag][-1] == expected[tag][-1], (tag, expected[tag], got[tag])
@@ -105,7 +86,7 @@ def test_values_logged_on_epoch_with_sync_dist_on_2_ranks_are_the_uninterrupted_
     """The same on 2 DDP ranks, killed after the save at step 8 (epoch 1, 2 of its 6 batches on each rank): each
     rank's running sums are in the checkpoint and each rank gets its own back (rank 1 none of ``train/late``, which
     it had not logged yet that epoch), so the synced epoch means, the max and the sum are the uninterrupted run's."""
-    args = _logged_config(tmp_path)
+    args = _config(tmp_path, "LoggedModel")
     for name in ("reference", "resumed"):
         (tmp_path / name).mkdir()
     cli("fit", *DDP2, *args, cwd=tmp_path / "reference")
