@@ -184,8 +184,9 @@ class ExactResume(Callback):
             # position and the record count that batch as trained
             under_way = batch_under_way(trainer)
             more["mid_batch"] = [trainer.current_epoch, under_way] if under_way is not None else None
+        # this rank's running sums of values logged on_epoch: a few scalars, on the CPU
+        logged = epoch_accumulators(trainer) if trainer is not None and trainer.state.fn == "fit" else {}
         if trainer is None or trainer.world_size == 1:
-            logged = epoch_accumulators(trainer) if trainer is not None and trainer.state.fn == "fit" else {}
             return {"ranks": [generator_states()], "metrics": [_metric_states(trained)], "logged": [logged],
                     "threads": threads, **more}  # fmt: skip
         # the same metrics on every rank, so that every rank runs the same gathers
@@ -195,16 +196,16 @@ class ExactResume(Callback):
         trained = {name: m for (name, m), keep in zip(self._metrics.items(), anywhere, strict=True) if keep}
         trained = {name: m for name, m in trained.items() if all(map(torch.is_tensor, m.metric_state.values()))}
         mine = {**generator_states(), **{f"metric:{k}": v for k, v in _flat_metric_states(trained).items()}}
-        mine.update({f"logged:{k}": v for k, v in _flat_logged(trainer).items()})
         gathered = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}
         # clone: a view would be saved with (and set_rng_state would read from) the start of the whole storage
         ranks = [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]
-        rng = [{k: v for k, v in rank.items() if not k.startswith(("metric:", "logged:"))} for rank in ranks]
+        rng = [{k: v for k, v in rank.items() if not k.startswith("metric:")} for rank in ranks]
         metrics = [
             _nest({k[len("metric:") :]: v for k, v in rank.items() if k.startswith("metric:")}) for rank in ranks
         ]
-        logged = [_nest_logged(rank) for rank in ranks]
-        return {"ranks": rng, "metrics": metrics, "logged": logged, "threads": threads, **more}
+        every_rank: list[Any] = [None] * trainer.world_size  # each its own keys: what a rank logs may differ
+        torch.distributed.all_gather_object(every_rank, logged)
+        return {"ranks": rng, "metrics": metrics, "logged": every_rank, "threads": threads, **more}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.loads_are_a_tuners:  # its shape would be taken for a checkpoint's run to keep the global batch of
@@ -354,35 +355,6 @@ class ExactResume(Callback):
             self._logged_to_restore = None
             return
         set_generator_states(ranks[trainer.global_rank])
-
-
-def _flat_logged(trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    """This rank's ``epoch_accumulators`` as ``NAME:KEY`` -> tensor over the keys any rank logged, with a ``present``
-    flag per key (a key this rank never logged: zeros, not restored), so every rank gathers the same tensors in the
-    same order."""
-    own = epoch_accumulators(trainer) if trainer.state.fn == "fit" else {}
-    kinds: list[Any] = [None] * trainer.world_size
-    torch.distributed.all_gather_object(kinds, {k: {n: str(t.dtype) for n, t in v.items()} for k, v in own.items()})
-    union: dict[str, dict[str, str]] = {}
-    for rank in kinds:
-        for key, names in rank.items():
-            union.setdefault(key, {}).update(names)
-    device, out = trainer.strategy.root_device, {}
-    for key, names in sorted(union.items()):
-        out[f"present:{key}"] = torch.tensor(int(key in own), dtype=torch.uint8, device=device)
-        for name, dtype in sorted(names.items()):
-            zero = torch.zeros((), dtype=getattr(torch, dtype.removeprefix("torch.")))
-            out[f"{name}:{key}"] = own.get(key, {}).get(name, zero).to(device)
-    return out
-
-
-def _nest_logged(rank: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for flat, tensor in rank.items():
-        if flat.startswith("logged:"):
-            name, key = flat[len("logged:") :].split(":", 1)
-            out.setdefault(key, {})[name] = tensor
-    return {key: {n: t for n, t in state.items() if n != "present"} for key, state in out.items() if state["present"]}
 
 
 def _filled_lists(module: L.LightningModule) -> dict[str, int]:
