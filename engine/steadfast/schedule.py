@@ -96,10 +96,11 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
                                                              interval, self.steps_per_epoch)  # fmt: skip
         self._apply_lr()
         if self.unit == "epoch" and interval == "step" and trainer.reload_dataloaders_every_n_epochs > 0:
-            note = "; ".join([*filter(None, [note]), (
+            counted = (
                 f"an epoch is counted as {self.steps_per_epoch} steps (the first epoch's), but the train loaders are "
                 "reloaded each epoch and may change length: give the schedule in steps (unit 'step') to count them"
-            )])  # fmt: skip
+            )
+            note = f"{note}; {counted}" if note else counted
         if note:
             rank_zero_info(f"LR schedule: {note}")
 
