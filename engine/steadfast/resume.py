@@ -96,6 +96,7 @@ class ExactResume(Callback):
         self.loads_are_a_tuners = False
         self._saved_data_state: Any = None  # the data module's state_dict in the checkpoint
         self._saved_lists: dict[str, int] = {}  # the module's list attributes filled when it was saved, their lengths
+        self._saved_values: dict[str, str] = {}  # the module's own plain values (a count) when it was saved, as repr
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -172,6 +173,7 @@ class ExactResume(Callback):
             more["epoch_samples"] = int(_epoch_samples(trainer, shape))
         if trainer is not None and trainer.lightning_module is not None:
             more["lists"] = _filled_lists(trainer.lightning_module)
+            more["values"] = _plain_values(trainer.lightning_module)
         if self.judge is not None:  # what ranks the run's files (steadfast.judge), not parsed back from a state key
             more["judge"] = {"monitor": self.judge.monitor, "mode": self.judge.mode, "state_key": self.judge.state_key}
         trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
@@ -222,6 +224,7 @@ class ExactResume(Callback):
         self._mid_step = state_dict.get("mid_step", 0)
         self._mid_batch = state_dict.get("mid_batch")
         self._saved_lists = state_dict.get("lists", {})
+        self._saved_values = state_dict.get("values", {})  # absent from those of engine 1.8.0 and before
 
     def verify(self, trainer: L.Trainer) -> tuple[str, str]:
         """``("verified" | "differs" | "unverified", words)`` for the start line: the resumed run's first batch
@@ -298,6 +301,18 @@ class ExactResume(Callback):
                 "computes from it (an epoch's mean in on_train_epoch_end) covers the batches after this resume; "
                 "self.log(..., on_epoch=True) or a torchmetrics metric keeps such a value"
             )
+        # A resume of its own: the module's hooks up to this first batch have run (on_load_checkpoint's too)
+        changed = [
+            f"{name} ({saved[:24]} saved, {now[:24]} now)"
+            for name, saved in sorted(self._saved_values.items())
+            if (now := repr(getattr(pl_module, name, None))) != saved
+        ]
+        if changed and trainer.ckpt_path is not None:
+            out.append(
+                f"{', '.join(changed)} of {module}: a plain attribute, which no checkpoint holds, differs from the "
+                "saved run's at this first batch (a count goes on from here; on_save_checkpoint and on_load_checkpoint "
+                "keep one)"
+            )
         if self._epoch_start_skipped:
             skipped = [type(c).__name__ for c in trainer.callbacks if own_hook(c, "on_train_epoch_start", Callback)]
             if skipped:
@@ -364,6 +379,19 @@ def _filled_lists(module: L.LightningModule) -> dict[str, int]:
         for name, value in vars(module).items()
         if isinstance(value, list) and value and all(torch.is_tensor(item) or isinstance(item, dict) for item in value)
     }
+
+
+def _plain_values(module: L.LightningModule) -> dict[str, str]:
+    """The ``repr`` of each number, bool or string the module holds as a plain attribute of its own (a count it keeps,
+    a value set at an epoch's start), not one Lightning's or torch's base classes set."""
+    return {
+        name: repr(value)
+        for name, value in vars(module).items()
+        if type(value) in (int, float, bool, str) and name not in _BASE_ATTRIBUTES
+    }
+
+
+_BASE_ATTRIBUTES = frozenset(vars(L.LightningModule())) | {"_current_fx_name", "_jit_is_scripting"}
 
 
 def _data_state_change(saved: Any, trainer: L.Trainer) -> str | None:

@@ -203,3 +203,28 @@ def test_a_list_the_module_fills_in_training_is_named_on_a_resume_mid_epoch(tmp_
     start = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Run /")][-1]
     assert "opts out: training_step_outputs (2 items) of OutputsKept: a list the module filled in training, which " \
            "no checkpoint holds" in start, start  # fmt: skip
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["plain", "kept-in-the-checkpoint"])
+def test_a_count_the_module_keeps_in_a_plain_attribute_is_named_on_a_resume_unless_its_checkpoint_holds_it(
+    kept, tmp_path, capsys
+):
+    """``self.seen``, the samples trained on, warms the loss up: a plain attribute, in no checkpoint, so a resume
+    restarts it at 0 and trains on another curve under ``resume verified``. The start line names it with both values.
+    Kept by the module's ``on_save_checkpoint`` / ``on_load_checkpoint``, it resumes bit-equal and is not named."""
+    model = "CountingKept" if kept else "Counting"
+    flags = [*BASE, "--model", f"tests.fixtures.epoch_start.{model}", *saving_every(13)]
+    cli_in_process("fit", *flags, root=tmp_path / "reference")
+    crash_in_process(16, *flags, root=tmp_path / "resumed")
+    capsys.readouterr()
+    cli_in_process("fit", *flags, "--ckpt_path", "last", root=tmp_path / "resumed")
+    start = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Run /")][-1]
+    ref = torch.load(_last(tmp_path / "reference"), weights_only=True)
+    got = torch.load(_last(tmp_path / "resumed"), weights_only=True)
+    diff = max_abs_diff(got["state_dict"], ref["state_dict"])
+    named = f"seen (832 saved, 0 now) of {model}: a plain attribute, which no checkpoint holds, differs"
+    if kept:
+        assert diff == 0.0 and "seen (" not in start, (diff, start)
+    else:  # the precondition: the resumed run really differs
+        assert diff > 0.0 and named in start, (diff, start)
+    assert "exact resume: resume verified" in start, start
