@@ -96,7 +96,8 @@ class ExactResume(Callback):
         self.loads_are_a_tuners = False
         self._saved_data_state: Any = None  # the data module's state_dict in the checkpoint
         self._saved_lists: dict[str, int] = {}  # the module's list attributes filled when it was saved, their lengths
-        self._saved_values: dict[str, str] = {}  # the module's own plain values (a count) when it was saved, as repr
+        # the plain values (a count) of the module ("") and the user's callbacks (by state key) when saved, as repr
+        self._saved_values: dict[str, dict[str, str]] = {}
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -173,7 +174,7 @@ class ExactResume(Callback):
             more["epoch_samples"] = int(_epoch_samples(trainer, shape))
         if trainer is not None and trainer.lightning_module is not None:
             more["lists"] = _filled_lists(trainer.lightning_module)
-            more["values"] = _plain_values(trainer.lightning_module)
+            more["values"] = {key: _plain_values(part) for key, part in _users_parts(trainer).items()}
         if self.judge is not None:  # what ranks the run's files (steadfast.judge), not parsed back from a state key
             more["judge"] = {"monitor": self.judge.monitor, "mode": self.judge.mode, "state_key": self.judge.state_key}
         trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
@@ -301,18 +302,21 @@ class ExactResume(Callback):
                 "computes from it (an epoch's mean in on_train_epoch_end) covers the batches after this resume; "
                 "self.log(..., on_epoch=True) or a torchmetrics metric keeps such a value"
             )
-        # A resume of its own: the module's hooks up to this first batch have run (on_load_checkpoint's too)
-        changed = [
-            f"{name} ({saved[:24]} saved, {now[:24]} now)"
-            for name, saved in sorted(self._saved_values.items())
-            if (now := repr(getattr(pl_module, name, None))) != saved
-        ]
-        if changed and trainer.ckpt_path is not None:
-            out.append(
-                f"{', '.join(changed)} of {module}: a plain attribute, which no checkpoint holds, differs from the "
-                "saved run's at this first batch (a count goes on from here; on_save_checkpoint and on_load_checkpoint "
-                "keep one)"
-            )
+        # A resume of its own: the hooks up to this first batch have run (on_load_checkpoint's, load_state_dict's)
+        parts = _users_parts(trainer) if trainer.ckpt_path is not None else {}
+        for key, values in sorted(self._saved_values.items()):
+            part = parts.get(key)
+            changed = [
+                f"{name} ({saved[:24]} saved, {now[:24]} now)"
+                for name, saved in sorted(values.items())
+                if part is not None and (now := repr(getattr(part, name, None))) != saved
+            ]
+            if changed:
+                keeps = "on_save_checkpoint and on_load_checkpoint" if key == "" else "state_dict and load_state_dict"
+                out.append(
+                    f"{', '.join(changed)} of {type(part).__name__}: a plain attribute, which no checkpoint holds, "
+                    f"differs from the saved run's at this first batch (a count goes on from here; {keeps} keep one)"
+                )
         if self._epoch_start_skipped:
             skipped = [type(c).__name__ for c in trainer.callbacks if own_hook(c, "on_train_epoch_start", Callback)]
             if skipped:
@@ -381,12 +385,21 @@ def _filled_lists(module: L.LightningModule) -> dict[str, int]:
     }
 
 
-def _plain_values(module: L.LightningModule) -> dict[str, str]:
-    """The ``repr`` of each number, bool or string the module holds as a plain attribute of its own (a count it keeps,
+def _users_parts(trainer: L.Trainer) -> dict[str, Any]:
+    """The module (key ``""``) and each callback of the user's own (not Lightning's or the engine's), by state key."""
+    parts: dict[str, Any] = {"": trainer.lightning_module}
+    for callback in trainer.callbacks:
+        if type(callback).__module__.partition(".")[0] not in ("lightning", "pytorch_lightning", "steadfast"):
+            parts[callback.state_key] = callback
+    return parts
+
+
+def _plain_values(part: Any) -> dict[str, str]:
+    """The ``repr`` of each number, bool or string ``part`` holds as a plain attribute of its own (a count it keeps,
     a value set at an epoch's start), not one Lightning's or torch's base classes set."""
     return {
         name: repr(value)
-        for name, value in vars(module).items()
+        for name, value in vars(part).items()
         if type(value) in (int, float, bool, str) and name not in _BASE_ATTRIBUTES
     }
 

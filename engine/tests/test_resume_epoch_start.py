@@ -228,3 +228,20 @@ def test_a_count_the_module_keeps_in_a_plain_attribute_is_named_on_a_resume_unle
     else:  # the precondition: the resumed run really differs
         assert diff > 0.0 and named in start, (diff, start)
     assert "exact resume: resume verified" in start, start
+
+
+def test_a_count_a_callback_of_ones_own_keeps_in_a_plain_attribute_is_named_unless_its_state_dict_holds_it(
+    tmp_path, capsys
+):
+    """Two callbacks count the batches trained: one in a plain attribute, named at the resume with both values (13
+    at the save, 0 on the resume); one whose ``state_dict`` holds its count, restored by Lightning and not named."""
+    flags = [*BASE, *saving_every(13), "--trainer.callbacks+=tests.fixtures.epoch_start.BatchesCounted",
+             "--trainer.callbacks+=tests.fixtures.epoch_start.BatchesCountedKept"]  # fmt: skip
+    crash_in_process(16, *flags, root=tmp_path)
+    capsys.readouterr()
+    cli = cli_in_process("fit", *flags, "--ckpt_path", "last", root=tmp_path)
+    start = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Run /")][-1]
+    assert "batches (13 saved, 0 now) of BatchesCounted: a plain attribute" in start, start
+    assert "of BatchesCountedKept" not in start, start
+    kept = next(c for c in cli.trainer.callbacks if type(c).__name__ == "BatchesCountedKept")
+    assert kept.batches == 24  # 4 epochs of 6: the count went on from the checkpoint's 13
