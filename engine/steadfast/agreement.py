@@ -1,7 +1,10 @@
-"""What the ranks agree on at a training batch end without a collective the host waits for at each step: every
+"""What the ranks agree on at a training batch end without a collective the host waits for at each step (Lightning's
+SIGTERM handling and ``ModelCheckpoint``'s timer each broadcast rank 0's decision at every batch end): every
 ``AGREE_EVERY`` batches each rank starts an all-reduce of its flags that nobody waits for, and every rank reads the
-sums ``AGREE_EVERY`` batches later. The preemption stop (``signals``) and the timed ``last.ckpt``
-(``last_checkpoint``) agree this way under DDP.
+sums ``AGREE_EVERY`` batches later, the same on all of them, and acts on them at that batch's end. A flag set on any
+rank is thus acted on by every rank at one batch end, within ``2 x AGREE_EVERY`` training batches. None is left under
+way past an epoch's end: its sums are read there and acted on at the next batch end. The preemption stop
+(``signals``) and the timed ``last.ckpt`` (``last_checkpoint``) agree this way under DDP; one process decides alone.
 """
 
 from typing import Any

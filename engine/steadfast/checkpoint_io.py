@@ -38,40 +38,24 @@ class _Point:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes ``<name>.tmp`` beside the target, fsyncs it and renames it over the target; in the background.
 
-    A rename within one directory is atomic on POSIX filesystems, so ``last.ckpt`` is always either the previous
-    complete file or the new complete one, and the ``.tmp`` never matches ``*.ckpt`` (what ``--ckpt_path last``
-    looks at). (Lightning's own save goes through a temporary file in the system temp folder, which is a copy, not
-    a rename, when that folder is on another filesystem.) A failed write (a full disk, a read-only folder, a lost
-    mount) removes the ``.tmp`` and raises ``CheckpointWriteError``, naming the file, why, the newest checkpoint
-    there and what to do; torch's zip writer reports a full disk as ``RuntimeError: [enforce fail at
-    inline_container.cc] unexpected pos``, with the ``OSError`` beneath it, which is what is reported. The removals
-    queued after a failed write are not done: the file a failed save was to replace is kept. Local paths only;
-    remote URLs fall back to Lightning's writer.
+    A rename within one directory is atomic on POSIX filesystems (Lightning's own save goes through a temporary file
+    in the system temp folder, which is a copy, not a rename, when that folder is on another filesystem). A failed
+    write removes the ``.tmp`` and raises ``CheckpointWriteError``. What the atomic, background writes and the one
+    file per point of training guarantee, what a save costs and what a failed write says: docs/checkpoints.md,
+    'Atomic writes, in the background', 'Saves and their knobs'. Local paths only; remote URLs fall back to
+    Lightning's writer.
 
-    In the background (the default), a save costs the loop only the copy of the state to host memory
-    (``HostSnapshot``); one thread writes, fsyncs and renames, one file after the other, and removes the files
-    ModelCheckpoint drops from its top k in the same queue, so a removal never overtakes the write of its file. A
-    save that needs a new copy first waits for the writes in flight (one host copy at most). Lightning's
-    ``AsyncCheckpointIO`` queues without bound (a copy per save), copies on the GPU, and removes files while their
-    writes are queued (Lightning issue #14035). Every write is finished before ``fit`` returns or raises
-    (``teardown``), before a preemption or Ctrl-C exit (``signals``), and before a checkpoint is loaded. A failed
-    background write is raised at the next save or at the end of ``fit``.
+    One thread writes, fsyncs and renames, one file after the other, and removes the files ModelCheckpoint drops
+    from its top k in the same queue, so a removal never overtakes the write of its file; the removals queued after
+    a failed write are not done. Lightning's ``AsyncCheckpointIO`` queues without bound (a copy per save), copies on
+    the GPU, and removes files while their writes are queued (Lightning issue #14035). Every write is finished
+    before ``fit`` returns or raises (``teardown``), before a preemption or Ctrl-C exit (``signals``), and before a
+    checkpoint is loaded. While ``OneFilePerPoint`` runs, the saves of one point are held until training moves on; a
+    save while another of its point is already being written is written on its own.
 
-    Saves of one point of training (the best-k, every-2-epochs and ``last.ckpt`` files of one validation, and the
-    ``last.ckpt`` of the end of ``fit`` after its last validation: the same step and tensors, no training batch
-    between them) are one file under several names, hard links, written once. While ``OneFilePerPoint`` (an engine
-    callback) runs, such saves are held until training moves on (the next batch or epoch, the end of ``fit``, a
-    signal), so that the file holds the last of them, whose callback states include every file of that point; a
-    save while another of its point is already being written is written on its own. ``last.ckpt``, which each
-    refresh rewrites under its name, is linked too: a refresh renames a new file over the name, so the names
-    linked to the old one keep their bytes; a fit whose writer is another (a user's own ``CheckpointIO``, which
-    may write into the file) first gives a linked ``last.ckpt`` a file of its own (``OneFilePerPoint``). Where the
-    folder cannot hard-link (another filesystem, some network mounts), each name is written in full.
-
-    The zip's CRC-32 of each record is not computed (``crc32``): ``torch.load`` never checks it, and it was half
-    of a write's CPU time. Tools that verify zip archives (``unzip -t``) then report the records as damaged. Only
-    the writing thread's ``torch.save`` leaves it out (torch keeps that setting per thread); where a torch version
-    keeps it for the whole process, every file gets its CRC-32.
+    The zip's CRC-32 is left out by the writing thread's ``torch.save`` only (torch keeps that setting per thread;
+    where a torch version keeps it for the whole process, every file gets its CRC-32); ``unzip -t`` then reports the
+    records as damaged.
 
     Loading always uses ``weights_only=True`` (see ``load_checkpoint_file``), whatever ``--weights_only`` says.
 

@@ -1,49 +1,8 @@
-"""The private Lightning APIs of the trainer, CLI, callbacks, launcher and loaders the engine relies on; those of
-the fit loop are in ``compat_loops``, of ``self.log`` and the loggers in ``compat_logging``, torch's in
-``compat_torch``. Only these four modules use
-private APIs (a scan in tests/test_compat.py fails on one elsewhere), and tests/test_compat.py fails, naming the
-attribute, on a Lightning version where one changed.
-
-- ``Trainer._signal_connector.received_sigterm``: set at a batch end, it makes every rank stop there through
-  Lightning's own SIGTERM path (``steadfast.signals``: Ctrl-C agreed by all ranks).
-- ``_TrainingEpochLoop._broadcast_sigterm_tensor`` and ``_SignalConnector._sigterm_notifier_fn``, replaced on the
-  fit's own instances under DDP: the ranks agree on a SIGTERM without a collective per batch
-  (``sigterm_without_a_broadcast_per_batch``, ``steadfast.signals``).
-- ``LightningCLI._get``: reads the trainer section of the parsed config (``steadfast.cli``).
-- ``LightningCLI._parse_ckpt_path``: overridden (``ParsesPlainLightningCheckpoints``) so that a checkpoint plain
-  Lightning wrote builds the configured class from its hyperparameters (``steadfast.cli``).
-- ``ModelParallelStrategy._data_parallel_size`` / ``_tensor_parallel_size``: the mesh sizes its
-  ``setup_environment`` reads; ``auto`` data parallelism is set to every rank (``steadfast.sharded``).
-- ``Callback._generate_state_key``'s format, ``ClassName{'monitor': ..., 'mode': ...}``: the key a checkpoint files
-  each callback's state under, read back for a ``ModelCheckpoint``'s ``mode`` (``steadfast.judge``).
-- ``ModelCheckpoint._should_skip_saving_checkpoint`` / ``_save_last_checkpoint`` / ``_monitor_candidates``: the
-  end-of-fit refresh of ``last.ckpt`` (``steadfast.last_checkpoint``), with Lightning's own bookkeeping of
-  ``last_model_path`` and its skips (``fast_dev_run``, not fitting, already saved at this step).
-- ``ModelCheckpoint._last_global_step_saved``: set to the step, so that a checkpoint judging by a monitor saves no
-  file at the validation and epoch end of a fit stopping mid-epoch (``skip_saves_at_this_step``,
-  ``steadfast.monitored_values``).
-- ``lightning.pytorch.utilities.data._update_dataloader``: re-creates a loader (a ``DataLoader`` subclass too) from
-  the arguments its ``*_dataloader`` hook gave it, with another sampler, as Lightning puts in its
-  ``DistributedSampler`` (``steadfast.user_loaders``).
-- ``Trainer._accelerator_connector.use_distributed_sampler``: the Trainer's ``use_distributed_sampler`` flag after
-  Lightning resolved it (``steadfast.user_loaders``).
-- ``ModelCheckpoint.file_exists`` replaced on an instance, so that a save still being written counts as a file
-  (``count_pending_saves_as_files``, ``steadfast.one_file_per_point``).
-- The keys LightningCLI adds to ``hparams`` (``CLI_HPARAM_KEYS``, ``steadfast.judge``).
-- The ``ddp`` launcher's ``procs`` (``launched_children``, ``steadfast.rank_failures``).
-- The key a checkpoint holds a data module's ``state_dict`` under, its class's ``__qualname__``
-  (``datamodule_state_in``, ``steadfast.resume``).
-- ``BatchSizeFinder._batch_arg_name``: the attribute it scales, set from a checkpoint on a resume that leaves the
-  tuner out (``batch_size_finders_attribute``, ``steadfast.tuners``).
-- ``DDPStrategy._setup_model`` / ``_register_ddp_hooks``: a new ``DistributedDataParallel`` around the module mid-fit,
-  as ``configure_ddp`` built the first, when the parameters that train are no longer those DDP was built with
-  (``rewrap_ddp``, ``steadfast.trainable``).
-- The ``ddp`` launcher's ``_ChildProcessObserver`` thread and its ``_run``, made to wait for the engine's report of a
-  failed rank before it kills every rank (``child_observer_waits``, ``steadfast.rank_failures``).
-
-
-On a layout these functions do not know they raise ``LightningChanged``, one line naming the attribute and the
-Lightning (or torch) version: the engine stops rather than continue inexactly.
+"""The private Lightning APIs of the trainer, CLI, callbacks, launcher and loaders the engine relies on, one function
+each; those of the fit loop are in ``compat_loops``, of ``self.log`` and the loggers in ``compat_logging``, torch's in
+``compat_torch``. Only these four modules use private APIs (a scan in tests/test_compat.py fails on one elsewhere), and
+tests/test_compat.py tests each name. On a layout these functions do not know they raise ``LightningChanged``, one
+line naming the attribute and the Lightning (or torch) version: the engine stops rather than continue inexactly.
 """
 
 import ast

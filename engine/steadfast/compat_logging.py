@@ -1,31 +1,7 @@
-"""The private Lightning APIs of ``self.log``, the progress bar and the loggers that the engine relies on;
-tests/test_compat.py fails, naming the attribute, on a Lightning version where one changed.
-
-- CSV writer's ``metrics_keys`` (``lightning.fabric.loggers.csv_logs._ExperimentWriter``): the columns a continued
-  ``metrics.csv`` already has (``steadfast.run_loggers.keep_csv_history``).
-- ``_ResultMetric.to``, called by ``_ResultCollection.log`` at every ``self.log``: replaced by one that skips the
-  move when the values are already on the device (``skip_moves_already_done``, installed for a run by
-  ``steadfast.run_scope`` and put back after; Lightning issue #20388).
-- ``_ResultCollection.metrics``' conversion of ``prog_bar`` values (``result.convert_tensors_to_scalars``) and
-  ``_LoggerConnector.progress_bar_metrics``: the values stay tensors until a bar reads them, then come from host
-  copies staged at its previous read (``read_bar_values_without_waiting``, installed for a run by
-  ``steadfast.run_scope``).
-- ``_ResultMetric.compute``, ``cumulated_batch_size`` and ``_Sync``'s ``should`` / ``rank_zero_only`` / ``group``:
-  an epoch mean logged with ``sync_dist=True`` divides by every rank's samples, not a truncated mean of their counts
-  (``weigh_synced_means_by_samples``, installed for a run by ``steadfast.run_scope``; Lightning issue #21859).
-- A logger's ``log_metrics`` replaced on an instance (``replace_log_metrics``, ``steadfast.loggers.StepGate``);
-  ``TensorBoardLogger._experiment``, whether its writer was ever opened (``experiment_opened``).
-- ``_EvaluationLoop._seen_batches_per_dataloader`` of the fit's validation loop: the step Lightning logs a
-  ``validation_step`` value logged with ``on_step=True`` at (its count of the validation batches this process ran),
-  saved in a checkpoint and set again at a resumed fit's first validation (``evaluation_logging_steps``,
-  ``continue_evaluation_logging_steps``, ``steadfast.run_folder``): Lightning starts it at 0 in every process.
-
-- The training epoch loop's ``_ResultCollection`` (``fit_loop.epoch_loop._results``): each ``_ResultMetric``'s
-  ``value``/``cumulated_batch_size`` of a tensor logged with ``on_epoch=True``, saved in a checkpoint and given back
-  before its first update of a resumed epoch through ``update_metrics`` replaced on the instance
-  (``epoch_accumulators``, ``continue_epoch_accumulators``, ``steadfast.resume``).
-
-On a layout these functions do not know they raise ``LightningChanged`` (``steadfast.compat``).
+"""The private Lightning APIs of ``self.log``, the progress bar and the loggers that the engine relies on, each behind a
+function whose docstring says what it reads and why (the Lightning issue, where a function replaces a method for the
+run). tests/test_compat.py tests each name; on a layout these functions do not know they raise ``LightningChanged``
+(``steadfast.compat``).
 """
 
 import functools

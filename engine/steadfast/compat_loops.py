@@ -1,49 +1,7 @@
-"""The private Lightning APIs of the fit loop the engine relies on: its saved and live counters, its restart state,
-the batches its fetcher holds, how it combines several train loaders. tests/test_compat.py fails, naming the
-attribute, on a Lightning version where one changed (``LightningChanged``, ``steadfast.compat``).
-
-- The fit loop's saved counters (``loops.fit_loop``: ``epoch_loop.batch_progress``, ``epoch_progress``), rewritten
-  when a fit stopped mid-epoch (``reopen_an_epoch_stopped_mid_way``, ``steadfast.resume``), and on loading a
-  checkpoint of an epoch's end into a fit with ``max_steps`` (``start_the_epoch_after_an_ended_one``, likewise);
-  then ``fit_loop.epoch_loop.restarting`` and ``reset_restart_stage`` (``start_the_epoch_loop_afresh``).
-- ``fit_loop.epoch_loop.batch_progress.total.ready``: the training batches begun, where a hung rank stopped
-  (``batches_begun``, ``steadfast.hang_watchdog``).
-- ``fit_loop._data_fetcher.batches`` of a ``_PrefetchDataFetcher``: the batches Lightning fetched from the train
-  loaders ahead of training (one, of a loader without a length), not in a checkpoint's loader positions
-  (``batches_fetched_ahead``, ``steadfast.own_positions``).
-- ``fit_loop._combined_loader_states_to_load`` and ``_combined_loader`` (``CombinedLoader._load_state_dicts``, what
-  ``fit_loop._load_combined_loader_states`` calls): the train loaders' saved
-  positions, which Lightning leaves unloaded when ``configure_optimizers`` read ``estimated_stepping_batches``
-  (Lightning #20550), loaded at ``on_train_start`` (``load_the_loader_states_lightning_left``, ``steadfast.resume``).
-- The fit loop's live micro-batch counters (``fit_loop.epoch_loop.batch_progress``: ``current`` and ``total``, each
-  ``ready``/``started``/``processed``/``completed``), rescaled on a resume on another number of ranks
-  (``rescale_batch_progress``, ``steadfast.resume``).
-- ``fit_loop._combined_loader._mode``: several train loaders cycled (``max_size_cycle``), whose shorter one that ran
-  out at a save trains next on its epoch's first batch again (``train_loaders_cycle``, ``steadfast.next_batch``).
-- ``fit_loop.restarting``, still set at the end of the epoch a mid-epoch resume lands in, where ``FitLoop`` skips
-  the ``ReduceLROnPlateau`` step (``lightning_skips_the_plateau_step``, ``steadfast.monitored_values``);
-  ``epoch_progress`` and ``epoch_loop._num_ready_batches_reached``: a checkpoint saved at an epoch's end, before
-  that step (``plateau_step_pending``); ``epoch_loop.scheduler_progress``, counting the step taken later as
-  ``TrainingEpochLoop._update_learning_rates`` takes it (``step_the_plateau_schedulers``).
-- ``fit_loop.epoch_loop._should_accumulate``: a batch end in the middle of a gradient accumulation, where no save
-  or stop lands (``accumulating``, ``steadfast.signals``, ``steadfast.last_checkpoint``), and a checkpoint saved
-  there says so on its resume (``batches_accumulated``, ``steadfast.resume``).
-- ``batch_progress.current.ready`` ahead of ``processed``: a save while a training batch was under way (an
-  exception's), which its resume names (``batch_under_way``, ``steadfast.resume``).
-- ``fit_loop.epoch_loop.batch_progress.is_last_batch`` and ``epoch_loop._should_check_val_fx``: a fit stopping
-  mid-epoch (``trainer.should_stop``: ``max_time``, a callback; ``max_steps``), and whether the validation Lightning
-  runs there would have run without the stop (``stopping_mid_epoch``, ``validation_due_without_the_stop``,
-  ``steadfast.monitored_values``).
-- ``on_train_epoch_start`` skipped by Lightning 2.6 on a resume mid-epoch and from an epoch's last batch end
-  (``FitLoop.restarted_mid_epoch``: ``lightning_skips_the_epoch_start``; ``start_the_epoch_lightning_skipped``,
-  ``steadfast.resume``), where a ``GradientAccumulationScheduler`` would leave the accumulation as configured
-  (``steadfast.resume`` sets the schedule's).
-- ``fit_loop.epoch_loop._batches_that_stepped``: the step Lightning gives the loggers (one per batch that stepped,
-  whatever the optimizer steps in it), read to know which logged steps a checkpoint covers
-  (``logging_step``, ``steadfast.run_folder``).
-- The module's ``on_train_batch_end`` and ``on_validation_end``, which Lightning calls after every callback's, looked
-  up on the instance: called before the checkpoint callbacks' instead, Lightning's call then a no-op
-  (``call_the_modules_hook_before_the_saves``, ``steadfast.module_hooks``).
+"""The private Lightning APIs of the fit loop the engine relies on, each behind a function whose docstring says what it
+reads and why: the loop's saved and live counters, its restart state, the batches its fetcher holds, how it combines
+several train loaders, the order of its hooks. tests/test_compat.py tests each name; on a layout these functions do
+not know they raise ``LightningChanged`` (``steadfast.compat``).
 """
 
 import lightning as L

@@ -1,32 +1,7 @@
-"""The private torch APIs the engine relies on (``Optimizer``, ``LRScheduler``, ``Tensor``, serialization, DCP,
-pytree, gloo); tests/test_compat.py fails, naming the attribute, on a torch version where one changed.
-
-- torch's ``torch.distributed.checkpoint._traverse.set_element``: how DCP's own load planner puts a non-tensor value
-  into a nested state dict; the engine's planner does the same, reading the value with ``weights_only=True``.
-- torch's ``Optimizer._step_supports_amp_scaling``: the optimizer's step takes GradScaler's ``found_inf`` and skips
-  itself on the device when it is set (fused ``Adam``/``AdamW``/``SGD``...; ``skips_steps_on_device``,
-  ``steadfast.guards``).
-- torch's ``LRScheduler._last_lr``, what ``get_last_lr()`` returns (``set_last_lr``, ``steadfast.schedule``).
-- ``Tensor._version``, the in-place version counter (``version_counter``, ``steadfast.host_snapshot``).
-- torch's per-thread config overrides (``torch.utils._config_module``): ``crc32_off_in_this_thread`` leaves the
-  CRC-32 of this thread's ``torch.save`` out without touching any other thread's.
-- DCP's ``DefaultLoadPlanner`` internals (``original_state_dict``, ``mappings``) and ``FileSystemReader.load_id``
-  (``load_bytes_weights_only``, ``index_for_reader``, ``steadfast.sharded``).
-- gloo's messages for a lost peer (``PEER_GONE``, ``steadfast.rank_failures``).
-- ``torch.utils._pytree``'s ``tree_map`` and ``tree_leaves`` (``steadfast.export.formats``; a batch's leaves for
-  ``steadfast.stream_positions.fingerprint``).
-- ``DataLoader._iterator``, the persistent workers' iterator a loader keeps (``unstarted_copy``,
-  ``steadfast.stream_resume``).
-- ``DataLoader.__setattr__``'s refusal of ``sampler`` after ``__init__``, passed by to name the sampler a rebuilt
-  loader's batch sampler draws from (``sampler_of_its_batch_sampler``, ``steadfast.user_loaders``).
-- ``DataLoader._index_sampler``, the property its iterators read once to draw each batch's indices from (the batch
-  sampler, or the sampler without automatic batching): ``index_sampler``; ``steadfast.own_orders`` puts one of its
-  own in front of it.
-- ``torch.compile``'s module wrapper, ``torch._dynamo.eval_frame.OptimizedModule``, and the ``_orig_mod.`` its
-  ``state_dict`` keys carry: a module compiled in ``configure_model`` saves ``net._orig_mod.w`` for ``net.w``
-  (``uncompiled_key``, ``steadfast.checkpoint_files``; ``without_compiled_wrappers``, ``steadfast.export``).
-
-On a layout these functions do not know they raise ``LightningChanged`` (``steadfast.compat``).
+"""The private torch APIs the engine relies on, each behind a function (or constant) named for what it does:
+``Optimizer``, ``LRScheduler``, ``Tensor``, serialization, DCP, pytree, ``DataLoader``, ``torch.compile``'s wrapper,
+gloo's messages. tests/test_compat.py tests each name; on a layout these functions do not know they raise
+``LightningChanged`` (``steadfast.compat``).
 """
 
 import contextlib

@@ -22,9 +22,7 @@ class StopOnNonFinite(Callback):
     A NaN loss on any rank makes the averaged gradients NaN on every rank, so each rank reaches the same decision
     at the same step without another collective (a rank stopping alone would leave the others waiting forever);
     the host reads at steps counted alike on every rank, never "when the GPU is done". No checkpoint is written
-    after the failure: ``last.ckpt`` and the others stay the last good ones. With a gradient scaler
-    (``precision: 16-mixed``) non-finite gradients are expected now and then and the scaler skips those steps
-    itself, so this stands aside.
+    after the failure, and under ``precision: 16-mixed`` this stands aside (docs/checkpoints.md, 'Diverging runs').
 
     The check stays on the device: each step adds one sum per gradient to a sticky flag there (the first bad step's
     number, -1 while all is well). Reading it on the host makes the CPU wait for the GPU, so where the optimizer

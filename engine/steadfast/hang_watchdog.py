@@ -1,36 +1,17 @@
-"""A hung rank in one line: when no rank of a DDP run has made progress for ``run.hang_timeout`` seconds (300 by
-default, well under the 30 minutes after which a collective gives up; ``null``: never), the run ends as it does for a
-dead rank (``steadfast.rank_failures``): one line naming the rank that stopped, what it was doing (its global
-step), the intact checkpoint and the resume command, exit code 1, every rank's process ended (a stopped one too:
-SIGKILL ends it)::
+"""A hung rank in one line: when no rank of a DDP run has made progress for ``run.hang_timeout`` seconds, the run ends
+as it does for a dead rank (``steadfast.rank_failures``), every rank's process ended (a stopped one too: SIGKILL ends
+it). The timeout, the message, the heartbeat each rank keeps, what counts as progress and when the watch starts and
+ends: docs/checkpoints.md, 'A hung rank, in one line'.
 
-    error: rank 1 made no progress for 11 s while training at global step 6 (its process stopped running: SIGSTOP,
-    a debugger, or a call that holds Python's lock; run.hang_timeout 10 s); the other ranks stopped. Newest complete
-    checkpoint, intact: ... (step 4). Resume: python -m steadfast fit ... --ckpt_path last
-
-Progress is a training batch (its start, its backward, its end), a validation, test or predict batch, or the start
-of a checkpoint save, on any rank. A collective cannot tell about a peer that does not answer, so each rank keeps a
-heartbeat beside it: a few bytes of a file in the temporary folder, mapped into its memory. The hooks store the time
-and the global step there (a store into memory: no system call, no tensor read, no device sync), and the rank's
-watchdog thread stores the time it last ran, 5 times a second. Rank 0 reads every rank's heartbeat once a second.
-When no rank has progressed for ``hang_timeout``, it names
-
-- a rank whose watchdog stopped too: its whole process does not run (SIGSTOP, a debugger, a call that never lets go
-  of Python's lock);
-- else the rank that stopped furthest back: the others went on to their next collective and wait there for it. In
-  training every rank runs the same batches, so that is the rank whose last beat is the earliest point of the loop
-  (its batch, then before the batch, its backward, after it), not merely the earliest in time: a busy machine can
-  delay the stuck rank's last beat past a peer's that already waits in the next backward. Elsewhere (validation
-  shares may differ between ranks) it is the rank whose progress stopped first.
-
-Rank 0's own watchdog reports rank 0 when its main thread is the one stuck; the other ranks watch rank 0's heartbeat
-and the lowest of them reports when rank 0's whole process is stopped. A watchdog that finds it did not run itself
-for a while (the whole run stopped by Ctrl-Z, then continued) counts again from then.
-
-The watch starts once the first batch has ended (the sanity check, loading a checkpoint and a first batch that
-compiles take as long as they take) and ends with the loop (the end of fit's last write takes as long as it takes).
-A later step that blocks longer than ``hang_timeout`` counts as a hang: a recompile, a save that waits for a
-background write still in flight. Under torchrun or SLURM this stays out of the way, as ``rank_failures`` does.
+In training, progress is a batch's start, its backward and its end. Each rank's watchdog thread stores the time it
+last ran in its heartbeat 5 times a second; rank 0 reads every heartbeat once a second and names a rank whose
+watchdog stopped too (its whole process does not run), else the rank that stopped furthest back: in training every
+rank runs the same batches, so that is the rank whose last beat is the earliest point of the loop (its batch, then
+before the batch, its backward, after it), not merely the earliest in time: a busy machine can delay the stuck rank's
+last beat past a peer's that already waits in the next backward. Elsewhere (validation shares may differ between
+ranks) it is the rank whose progress stopped first. Rank 0's own watchdog reports rank 0 when its main thread is the
+one stuck; the lowest of the other ranks reports when rank 0's whole process is stopped. A watchdog that finds it did
+not run itself for a while (the whole run stopped by Ctrl-Z, then continued) counts again from then.
 """
 
 import contextlib

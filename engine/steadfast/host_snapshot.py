@@ -16,13 +16,11 @@ class HostSnapshot:
     """A copy of a checkpoint's tensors in host memory, taken while the loop waits, for a writer thread to save.
 
     The copy lands in the buffers of the previous snapshot where shapes match (no allocation, pinned for CUDA
-    tensors). Saves taken at the same point of training (the best-k file, ``last.ckpt`` and the every-2-epochs file
-    at one validation end: same ``global_step``, epoch and loop progress) share one copy: a tensor that has not
-    changed since (the same memory, its in-place version counter unchanged) is not copied again. Each of
-    Lightning's dumps makes a few small tensors anew (RNG states, scores): those are copied into new buffers, which
-    no write in flight reads, so the second and third saves of a point do not wait for the first one's write. So
-    there is never more than one host copy of the state (plus, while a write is in flight, those small tensors of
-    the previous save: at most 1% of it or 1 MiB, else the save waits first).
+    tensors). Saves of one point of training (same ``global_step``, epoch and loop progress) share one copy: a tensor
+    whose memory and in-place version counter are unchanged is not copied again; the few small tensors each of
+    Lightning's dumps makes anew go into new buffers, which no write in flight reads (what this saves:
+    docs/checkpoints.md, 'Saves and their knobs'). Beyond the one host copy of the state, only those small tensors of
+    the previous save are held while a write is in flight: at most 1% of it or 1 MiB, else the save waits first.
     """
 
     SMALL_FRACTION, SMALL_BYTES = 0.01, 2**20

@@ -18,17 +18,15 @@ class LastCheckpoint(ModelCheckpoint):
     more when ``fit`` ends, so the file always holds the final state of a finished run.
 
     A time, not a step count: a save costs the same whatever the step takes, so a 1 GB model is not saved every
-    few seconds and a 2 ms step not every 50 steps. Between refreshes, a hard crash resumes from the newest of the
-    other checkpoints (``--ckpt_path last`` takes the newest file of the run); SIGTERM, SIGUSR1 and Ctrl-C save
-    ``last.ckpt`` first (``steadfast.signals``). Lightning's own end-of-fit save writes ``last.ckpt`` only if
-    none was written during the fit, which leaves it up to ``train_time_interval`` old.
+    few seconds and a 2 ms step not every 50 steps. Lightning's own end-of-fit save writes ``last.ckpt`` only if
+    none was written during the fit, which leaves it up to ``train_time_interval`` old. What a crash between
+    refreshes loses: docs/checkpoints.md, 'How much a crash loses'.
 
     The clock is rank 0's, and every rank saves at the same batch end (the save is a collective). Lightning's
-    ``ModelCheckpoint`` broadcasts rank 0's decision at every batch end, a collective the host waits for at each
-    step; here the ranks agree as the signals do (``steadfast.agreement``): rank 0's "due" goes into an
-    all-reduce started every ``AGREE_EVERY`` batches and read ``AGREE_EVERY`` batches later, where every rank saves.
-    Under DDP a refresh thus comes up to ``2 x AGREE_EVERY`` batches after the interval is up; in one process, at
-    the first batch end after it. (Manual optimization is timed too: Lightning's timer skipped it.)
+    ``ModelCheckpoint`` broadcasts rank 0's decision at every batch end; here rank 0's "due" goes into an
+    ``Agreement`` (``steadfast.agreement``), so under DDP a refresh comes up to ``2 x AGREE_EVERY`` batches after the
+    interval is up; in one process, at the first batch end after it. (Manual optimization is timed too: Lightning's
+    timer skipped it.)
 
     Args:
         train_time_interval: How often ``last.ckpt`` is refreshed, e.g. ``"0:10:00"``.

@@ -17,19 +17,12 @@ from steadfast.compat import count_pending_saves_as_files, restore_file_exists
 
 class OneFilePerPoint(Callback):
     """Tells the template's checkpoint writer (``AtomicCheckpointIO``) when training moves on from a point, so that
-    the saves of that point (the best-k, every-2-epochs and ``last.ckpt`` files of one validation, and the
-    ``last.ckpt`` of the end of ``fit``) are written as one file under their names, holding the state after the
-    last of them. Held between a validation's end and the next training batch (or epoch start, or the end of
-    ``fit``): a kill in between loses that point's files, as a kill during their write would.
-
-    A name whose save is held or still being written counts as taken when a ``ModelCheckpoint`` asks whether its
-    file exists (``file_exists``), as it would once on disk: two of them with the same file name at one point get
-    ``name`` and ``name-v1``, Lightning's way, instead of one file that the first one's top k would delete from
-    under the other.
-
-    A fit whose checkpoints another ``CheckpointIO`` writes (a user's own, which may rewrite ``last.ckpt`` in
-    place) first gives a ``last.ckpt`` that an earlier fit linked a file of its own, so that no rewrite reaches
-    the best-k file it shared.
+    the saves of that point are written as one file under their names, holding the state after the last of them.
+    Held between a validation's end and the next training batch (or epoch start, or the end of ``fit``): a kill in
+    between loses that point's files, as a kill during their write would. A name whose save is held or still being
+    written counts as taken (``file_exists``), and a fit with another ``CheckpointIO`` first gives a linked
+    ``last.ckpt`` a file of its own: why, in docs/checkpoints.md, 'One file per validation' and 'Atomic writes, in
+    the background'.
     """
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

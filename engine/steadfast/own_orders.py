@@ -1,5 +1,6 @@
 """A train loader over a map-style dataset whose sampler or batch sampler is the user's own (a sampler with or without
-``state_dict``, a bucketing batch sampler) resumes mid-epoch after the last batch trained on, in the user's order.
+``state_dict``, a bucketing batch sampler) resumes mid-epoch after the last batch trained on, in the user's order
+(what the start line says of it: docs/engine.md, 'Data pipelines and what a resume gives each').
 
 The engine's sampler cannot stand in for it (that would change the user's order), and Lightning saves nothing of a
 plain ``DataLoader``: a resume restarted the epoch. Here the epoch's order is drawn again instead, in index space. As
@@ -7,13 +8,10 @@ an epoch's first indices are drawn, the global generators (torch's, numpy's, Pyt
 generator of its own draws from, as torch's ``RandomSampler`` does) are kept; a save keeps, per rank, them, the
 number of batches trained on and a fingerprint of the next batch's indices (the indices run ahead of training: loader
 workers prefetch, and one more batch is drawn ahead here). A resume puts those generators back while it draws the
-epoch's indices again, drops the batches trained on (indices only: no sample is read), puts the generators as they
-were, and compares the next batch's indices with the fingerprint: another order (a sampler that draws from
-``os.urandom`` or the clock, or from the global generators between batches) stops the run in one line before training
-on it, unless ``run.stream_resume`` is ``as_saved``; ``restart`` restarts the epoch instead. What is checked is the
-order: random draws in loader workers (augmentation) start again from the workers' seeds (the start line names it).
-A sampler's own ``state_dict`` is not used: its order is drawn again from where the epoch started. Another number of
-ranks stops in one line (``StreamResume.attach``).
+epoch's indices again, drops the batches trained on, puts the generators as they were, and compares the next batch's
+indices with the fingerprint: a sampler that draws from ``os.urandom`` or the clock, or from the global generators
+between batches, gives another order, which stops the run. A sampler's own ``state_dict`` is not used: its order is
+drawn again from where the epoch started. Another number of ranks stops in one line (``StreamResume.attach``).
 """
 
 import itertools

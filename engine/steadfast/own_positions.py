@@ -9,10 +9,8 @@ and a resume skips that batch; and under DDP every rank resumes at rank 0's posi
 after each batch it yields (a deep copy: a few small dicts); a save keeps, per rank, the state as of the last batch
 trained on and a fingerprint of the batch fetched next (``StreamResume`` gathers them into the checkpoint); a resume
 loads each rank's own state into its loader as its iterator starts (Lightning's call, which would load rank 0's,
-is passed by), and compares its first batch with the fingerprint: another batch (a state that leaves out a shuffle
-buffer, workers' random draws) stops the run in one line before training on it, unless ``run.stream_resume`` is
-``as_saved`` (``next_batch``'s verdict then says ``no``). A checkpoint resumes on the number of ranks that wrote
-it; on another the run stops in one line before the first step.
+is passed by), and compares its first batch with the fingerprint. What another first batch or another number of
+ranks does: docs/engine.md, 'Data pipelines and what a resume gives each'.
 """
 
 import copy

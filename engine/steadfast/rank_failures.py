@@ -1,18 +1,11 @@
-"""A dead rank in one line: which rank failed and how, the checkpoint to resume from, and the command that does.
+"""A dead rank in one line: which rank failed and how, the checkpoint to resume from, and the command that does (the
+line, and what it replaces: docs/checkpoints.md, 'A dead rank, in one line').
 
-Under Lightning's ``ddp`` launcher rank 0 is the process the user started and every other rank is its child. When
-one rank dies (``kill -9``, the out-of-memory killer, an exception on that rank only), the others fail in their next
-collective (gloo: "Connection reset by peer"), each with a traceback wall that names neither the dead rank nor what
-to do. Here the survivors see that a peer is gone (a watcher thread, or ``on_exception``) and rank 0 (each other
-rank when rank 0 died; tested with 2 ranks on CPU, gloo) prints instead, in one line::
-
-    error: rank 1 was killed by SIGKILL (kill -9, or out of memory); the other ranks stopped. Newest complete
-    checkpoint, intact: runs/digits/version_0/checkpoints/last.ckpt (step 6). Resume: python -m steadfast fit ...
-    --ckpt_path last
-
-and exits with code 1 at once. A rank whose own code raised keeps its traceback (the cause) and leaves its
-exception's first line in ``<run>/.failures/`` for the reporter. ``PROJECT_FAILURE_REPORT=FILE`` also writes the
-line to FILE (``scripts/train_resilient.sh`` repeats it when it restarts). A hung rank is reported through
+Under Lightning's ``ddp`` launcher rank 0 is the process the user started and every other rank is its child. The
+survivors see that a peer is gone (a watcher thread, or ``on_exception``) and rank 0 (each other rank when rank 0
+died) prints the line and exits with code 1 at once. A rank whose own code raised keeps its traceback (the cause) and
+leaves its exception's first line in ``<run>/.failures/`` for the reporter. ``PROJECT_FAILURE_REPORT=FILE`` also
+writes the line to FILE (``scripts/train_resilient.sh`` repeats it when it restarts). A hung rank is reported through
 ``report`` too (``steadfast.hang_watchdog``). Under torchrun or SLURM the launcher reports failed ranks itself and
 this stays out of the way.
 

@@ -35,14 +35,13 @@ def warmup_cosine_lr(
 
 
 class LinearWarmupCosineAnnealingLR(LRScheduler):
-    """Drop-in replacement for ``pl_bolts.optimizers.lr_scheduler.LinearWarmupCosineAnnealingLR``.
+    """Drop-in replacement for ``pl_bolts.optimizers.lr_scheduler.LinearWarmupCosineAnnealingLR``: the curve, and how
+    the engine (``FitScheduleToRun``) converts a schedule in epochs stepped every optimizer step to the run's real
+    steps per epoch, in docs/schedule.md.
 
-    ``warmup_epochs`` and ``max_epochs`` count ``unit``s. Under the engine (``FitScheduleToRun``) a schedule in
-    epochs that Lightning steps every optimizer step (``"interval": "step"``) is converted at the start of training
-    to the run's real steps per epoch (its first epoch's, kept across resumes), and ``max_epochs=None`` spans the
-    run. Without it, "epochs" are scheduler
-    steps, as in pl_bolts. The rate is a pure function of ``last_epoch``, so it neither drifts nor depends on how
-    many times ``step()`` was called before a checkpoint was taken.
+    ``warmup_epochs`` and ``max_epochs`` count ``unit``s; under the engine ``max_epochs=None`` spans the run, without
+    it "epochs" are scheduler steps, as in pl_bolts. The rate is a pure function of ``last_epoch``, so it neither
+    drifts nor depends on how many times ``step()`` was called before a checkpoint was taken.
 
     ``warmup_start_lr=None``: one warmup increment of each group's rate (``lr / W``), so no step runs at rate 0.
     """

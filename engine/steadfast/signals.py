@@ -1,12 +1,11 @@
-"""Preemption (SIGTERM, SIGUSR1) and Ctrl-C: a saved ``last.ckpt`` and a non-zero exit code on every rank.
+"""Preemption (SIGTERM, SIGUSR1) and Ctrl-C: a saved ``last.ckpt`` and a non-zero exit code on every rank (what each
+signal does: docs/checkpoints.md, 'Preemption' and 'Ctrl-C').
 
-Under DDP the ranks agree on a stop without a collective the host waits for at each step: every ``AGREE_EVERY``
-(10) training batches each rank starts an all-reduce of its flags (a signal seen, a Ctrl-C seen) that nobody waits
-for, and ``AGREE_EVERY`` batches later every rank reads the sums, the same on all of them, and they stop together
-at that batch's end. A signal on any rank thus stops every rank within ``STOP_WITHIN`` (2 x 10 = 20) training
-batches (optimizer steps, without gradient accumulation), the batch it came in counted, and ``last.ckpt`` is saved
-there. One process decides at the end of the batch the signal came in. A stop that falls in the middle of a gradient
-accumulation waits for the batch that takes its optimizer step: the gradients summed so far are in no checkpoint.
+One process stops at the end of the batch the signal came in. Under DDP the ranks agree on the stop through
+``steadfast.agreement``: every rank stops within ``STOP_WITHIN`` (2 x ``AGREE_EVERY``) training batches of a signal
+on any rank (optimizer steps, without gradient accumulation), the batch it came in counted, and ``last.ckpt`` is
+saved there. A stop in the middle of a gradient accumulation waits for the batch that steps (docs/checkpoints.md,
+'Gradient accumulation').
 """
 
 import os
@@ -49,28 +48,22 @@ class CtrlCAgain(SystemExit):
 
 
 class Preemption(Callback):
-    """Turns a preemption signal or Ctrl-C into a saved ``last.ckpt`` and a non-zero exit.
+    """Turns a preemption signal or Ctrl-C into a saved ``last.ckpt`` and a non-zero exit (exit codes, and what a
+    second Ctrl-C does: docs/checkpoints.md, 'Preemption' and 'Ctrl-C').
 
     Lightning catches SIGTERM and stops at the end of the batch by raising ``SIGTERMException``, but the process then
     exits 0 (Lightning issue #21623), so a launcher takes a killed run for a finished one. Outside SLURM, SIGUSR1 is
-    routed to the same path; under SLURM it stays Lightning's (checkpoint + requeue).
-
-    Ctrl-C (SIGINT) gets the same ending: Lightning's KeyboardInterrupt handling saves nothing, and a
-    KeyboardInterrupt lands wherever each rank happens to be, so no checkpoint could be gathered. Here the first
-    Ctrl-C only sets a flag, and Lightning's SIGTERM stop runs at a training batch end. A validation that starts
-    after that batch runs to its end first: Lightning would stop it after its first batch, where nothing can be
-    saved that resumes exactly. A second Ctrl-C, even during that save, stops at once without saving (a checkpoint
-    write under way is finished: cut short, it would be lost), also with exit code 130 (``CtrlCAgain``).
+    routed to the same path. Lightning's KeyboardInterrupt handling saves nothing, and a KeyboardInterrupt lands
+    wherever each rank happens to be, so no checkpoint could be gathered: here the first Ctrl-C only sets a flag, and
+    Lightning's SIGTERM stop runs at a training batch end. A validation that starts after that batch runs to its end
+    first: Lightning would stop it after its first batch, where nothing can be saved that resumes exactly.
 
     Under DDP every rank must stop at the same batch (one stopping alone leaves the others waiting in their next
-    collective), and neither the engine nor Lightning may pay a collective the host waits for at every step to
-    agree on it: Lightning's own per-batch broadcast of rank 0's SIGTERM flag is switched off for the fit
-    (``compat.sigterm_without_a_broadcast_per_batch``) and a SIGTERM, SIGUSR1 or Ctrl-C on any rank only sets that
-    rank's flag. The ranks agree through an ``Agreement`` started every ``AGREE_EVERY`` batches and read by all of
-    them ``AGREE_EVERY`` batches later: they stop within ``STOP_WITHIN`` batches of the signal, at the same batch
-    end, with ``last.ckpt`` saved there, a SIGTERM on any rank before a Ctrl-C (exit code 143, else 130). None is left
-    under way past an epoch's end: its sums are read there and acted on at the next batch end. (A signal that comes
-    in the last batches of the fit, or during its last validation, lets it finish.)
+    collective): Lightning's own per-batch broadcast of rank 0's SIGTERM flag is switched off for the fit
+    (``compat.sigterm_without_a_broadcast_per_batch``), a SIGTERM, SIGUSR1 or Ctrl-C on any rank only sets that
+    rank's flag, and the ranks agree through an ``Agreement`` (``steadfast.agreement``), a SIGTERM on any rank
+    before a Ctrl-C (exit code 143, else 130). A signal that comes in the last batches of the fit, or during its last
+    validation, lets it finish.
 
     The SIGINT and SIGUSR1 handlers found at ``setup`` (an IPython kernel's, a launcher's) are set back at
     ``teardown`` and after a failure, and Lightning's SIGTERM handling with them.

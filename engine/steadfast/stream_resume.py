@@ -1,28 +1,22 @@
 """Train streams resume where they stopped: a plain ``DataLoader`` over an ``IterableDataset`` continues a mid-epoch
-resume at the first sample not trained on, on every rank and in every loader worker, each step on the batch the
-uninterrupted run trained there.
+resume at the first sample not trained on, on every rank and in every loader worker (what each kind of stream gets,
+and what the start line says: docs/engine.md, 'Data pipelines and what a resume gives each').
 
-- A dataset with ``state_dict``/``load_state_dict`` (its own position): with workers, each worker's copy holds the
-  position, read in its worker after each batch it makes. The checkpoint keeps, per rank and worker, the state after
-  the last batch trained on (Lightning's fetcher runs a batch ahead of training), and a resume loads it into that
-  worker's copy before the worker starts. Exact where the state brings back what the stream gave: a state that
-  leaves something out (a Hugging Face shuffle buffer) gives another first batch, which stops the run (below).
-- A dataset without state whose order is the same for the same seed and epoch (sharded by worker and rank):
-  fast-forwarded by count (``run.stream_resume: fast_forward``, the default). Each worker reads again the batches
-  of its own that were trained on and drops them uncollated; the last one it drops is collated and compared with
-  the fingerprint the checkpoint kept of it, and a stream that gives other samples stops the run in one line before
-  the first step. ``restart``: the epoch's data starts again, as the start line says.
+- A dataset with ``state_dict``/``load_state_dict`` (its own position): each worker's copy holds the position, read
+  in its worker after each batch it makes. The checkpoint keeps, per rank and worker, the state after the last batch
+  trained on (Lightning's fetcher runs a batch ahead of training), loaded into that worker's copy before it starts.
+- A dataset without state whose order is the same for the same seed and epoch (``run.stream_resume: fast_forward``,
+  the default): each worker reads again the batches of its own that were trained on and drops them uncollated; the
+  last one it drops is collated and compared with the fingerprint the checkpoint kept of it.
 
-Either way a save also keeps a fingerprint of the batch handed out next (the one Lightning's fetcher took ahead of
-training), and a resume compares its first batch with it: another batch stops the run in one line before training
-on it, unless ``run.stream_resume`` is ``as_saved`` (``next_batch``'s verdict then says ``no``).
-
-How each batch says which worker made it, and the order a resumed loader hands batches out in:
-``steadfast.stream_positions``. An ``IterableDataset`` with ``set_epoch`` (Hugging Face's, LitData's) is given the
-epoch before each epoch's iterator, as Lightning gives it to samplers; with ``persistent_workers`` the workers keep
-the copy of the epoch they started in (torch's behaviour), so a resume in a later epoch gives other samples and stops
-in that one line. A checkpoint resumes on the numbers of ranks and workers that wrote it; on others the run stops in
-one line.
+Either way a resume compares its first batch with the fingerprint a save kept of the batch handed out next (the one
+Lightning's fetcher took ahead of training): another batch stops the run in one line before training on it, unless
+``run.stream_resume`` is ``as_saved``. How each batch says which worker made it, and the order a resumed loader hands
+batches out in: ``steadfast.stream_positions``. An ``IterableDataset`` with ``set_epoch`` (Hugging Face's, LitData's)
+is given the epoch before each epoch's iterator, as Lightning gives it to samplers; with ``persistent_workers`` the
+workers keep the copy of the epoch they started in (torch's behaviour), so a resume in a later epoch gives other
+samples and stops in that one line. A checkpoint resumes on the numbers of ranks and workers that wrote it; on
+others the run stops in one line.
 """
 
 import copy

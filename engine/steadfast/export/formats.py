@@ -1,28 +1,13 @@
 """Export a checkpoint's model in the formats people deploy: ``export(ckpt, out_dir, formats)``.
 
-Any ``LightningModule`` with a ``forward``: it is rebuilt from the run's ``config.yaml`` (``model``: ``class_path``
-and ``init_args``, built by jsonargparse as LightningCLI builds it), the checkpoint's ``state_dict`` is loaded into
-it (strictly), and the module itself, in eval mode, is what is exported. A sharded checkpoint (a folder, from
-``configs/fsdp.yaml``) is consolidated on this one process first.
-
-- ``safetensors``: the module's weights, with ``class_path``/``init_args`` in the metadata; ``weights.load_net``
-  reads it back without unpickling anything.
-- ``onnx``: torch's exporter (``torch.onnx.export``, dynamo), batch dynamic. One tensor input is named ``input``,
-  one tensor output ``output``. Weights may go to ``model.onnx.data`` beside it (ONNX's external data), which the
-  ``.onnx`` file needs at load time: keep the two together.
-- ``pt2``: a ``torch.export`` program (``torch.export.save``; ``torch.export.load(f).module()`` runs it), batch
-  dynamic.
-- ``pth``: the bare ``state_dict`` and a ``.json`` with the module's ``class_path``/``init_args``.
-
-``onnx`` and ``pt2`` trace ``forward`` on an example: the module's ``example_input_array`` (Lightning's convention:
-a tuple is positional inputs, a dict keyword inputs, else one input), else two samples of one batch of the run's
-data module, or of the module's own loaders when the run has none (predict loader, else val, else train). Of a
-batch: a dict gives the entries that ``forward``'s parameters name, each as that parameter (positional where it
-can be; else the whole dict is the one input); a tuple or list gives its first element (``(x, y)``), or as many
-as ``forward`` has required positional parameters (``forward(inputs, target)``). The line ``export`` says names
-which.
-A module that cannot be exported raises ``ValueError`` naming the format and the reason; outputs are never
-overwritten.
+The module is rebuilt from the run's ``config.yaml``, loaded strictly and exported in eval mode (a sharded checkpoint
+consolidated on this one process first); the four formats and how to load each: docs/export.md. ``onnx`` and ``pt2``
+trace ``forward`` on the module's ``example_input_array``, else on two samples of one batch of the run's data module,
+or of the module's own loaders when the run has none (predict, else val, else train); which inputs of a batch, and
+the line that names them: docs/export.md. A dict batch's entries go in as ``forward``'s parameters, positional where
+they can be (else the whole dict is the one input). ONNX names one tensor input ``input`` and one tensor output
+``output``. A module that cannot be exported raises ``ValueError`` naming the format and the reason; outputs are
+never overwritten.
 """
 
 import inspect

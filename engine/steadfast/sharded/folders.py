@@ -1,13 +1,9 @@
-"""The folders sharded training writes (DCP: torch's distributed checkpoint, one shard per rank), read so that
-nothing in them runs code, and checked before a run resumes from one (``strategy.ShardedStrategy`` writes them).
-
-- **Atomic**: a folder without ``.metadata`` (DCP's index, written last) and ``meta.pt`` (Lightning's loops,
-  callbacks, RNG states) is never resumed from: ``--ckpt_path last`` passes over it and an explicit path is
-  refused in one line.
-- **No code in a checkpoint**: DCP reads its index with ``pickle`` and non-tensor values with
-  ``torch.load(weights_only=False)``; here the index is read by an unpickler that knows only DCP's metadata
-  classes, and everything else with ``weights_only=True``.
-- **Same network**: each saved tensor's full shape is compared with the configured model's before anything loads.
+"""The folders ``strategy.ShardedStrategy`` writes (DCP: torch's distributed checkpoint, one shard per rank), read so
+that nothing in them runs code, and checked before a run resumes from one (what that guarantees: docs/sharding.md).
+A folder is complete with ``.metadata`` (DCP's index, written last) and ``meta.pt`` (Lightning's loops, callbacks,
+RNG states). DCP's own reader unpickles its index and loads non-tensor values with ``weights_only=False``: here the
+index goes through an unpickler that knows only DCP's metadata classes. The same network: each saved tensor's full
+shape equals the configured model's, compared before anything loads.
 
 ``full_state_dict`` consolidates a folder into one state dict on one process (for export), without a process group.
 """

@@ -3,17 +3,10 @@
 ``ShardedStrategy`` is Lightning's ``ModelParallelStrategy`` (FSDP2's ``fully_shard``, applied in the module's
 ``configure_model``, or by the strategy to each layer of a module without one: ``shard_each_layer``) with the
 engine's checkpoint guarantees for the folders it writes (torch's distributed checkpoint, DCP: each rank writes its
-own shard, no rank gathers the whole model):
-
-- **Atomic**: the shards go into ``<name>.tmp/``; once every rank has written, rank 0 renames it to ``<name>``. A
-  folder without ``.metadata`` (DCP's index, written last) and ``meta.pt`` (Lightning's loops, callbacks, RNG
-  states) is never resumed from: ``--ckpt_path last`` passes over it and an explicit path is refused in one line.
-- **No code in a checkpoint**: DCP reads its index with ``pickle`` and non-tensor values with
-  ``torch.load(weights_only=False)``; here the index is read by an unpickler that knows only DCP's metadata classes,
-  and everything else with ``weights_only=True``.
-- **Same network**: each saved tensor's full shape is compared with the configured model's before anything loads.
-- **Another number of ranks**: DCP reshards the weights and optimizer state exactly; one line says that the random
-  draws and the order of the rest of the interrupted epoch then differ from the original run.
+own shard, no rank gathers the whole model): atomic, no code, the same network, another number of ranks (resharded
+exactly; one line says that the random draws and the order of the rest of the interrupted epoch then differ from the
+original run). What each means: docs/sharding.md; how a folder is read and checked: ``steadfast.sharded.folders``.
+The shards go into ``<name>.tmp/``; once every rank has written, rank 0 renames it to ``<name>``.
 """
 
 import os
