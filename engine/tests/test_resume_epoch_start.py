@@ -100,10 +100,11 @@ def test_the_modules_own_epoch_start_runs_on_a_resume_inside_an_epoch_and_a_call
     assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
     start = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Run /")][-1]
     named = (
-        "opts out: on_train_epoch_start of EpochNoted: Lightning does not call a callback's epoch start on a resume "
+        "on_train_epoch_start of EpochNoted: Lightning does not call a callback's epoch start on a resume "
         "inside an epoch"
     )
     assert "exact resume: resume verified" in start and named in start, start
+    assert "epoch (2 saved, None now) of EpochNoted: a plain attribute" in start, start  # what it set, not set again
     assert "on_train_epoch_start of EpochWeighted: called again on this resume inside an epoch" in start, start
 
 
