@@ -171,6 +171,25 @@ class ResumableDataLoader(DataLoader):
             self.sampler.seed = state.get("seed", self.sampler.seed)
 
 
+_IN_FRONT: dict[tuple[type, type], type] = {}
+
+
+def in_front_of(cls: type, mixin: type, **attributes: Any) -> type:
+    """``cls`` (``DataLoader`` or the user's subclass of it, whose name it keeps) with ``mixin``'s methods in front:
+    the user's class still iterates, collates and holds its attributes. With class ``attributes``, a new class at each
+    call; without, one per pair (``cls`` itself where it has ``mixin`` already, ``mixin`` for a plain ``DataLoader``).
+    """
+    if attributes:
+        return type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, **attributes})
+    if issubclass(cls, mixin):
+        return cls
+    if cls is DataLoader:
+        return mixin
+    if (cls, mixin) not in _IN_FRONT:
+        _IN_FRONT[cls, mixin] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__})
+    return _IN_FRONT[cls, mixin]
+
+
 def check_train_batch(batch_size: int, sampler: ResumableSampler) -> None:
     """Raises when one batch of ``batch_size`` is larger than this rank's share of the training set (before the
     padding to the global batch, which would otherwise fill the one short batch with repeats of the same samples)."""

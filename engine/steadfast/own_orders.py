@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from steadfast.compat_torch import index_sampler, unstarted_copy
+from steadfast.loaders import in_front_of
 from steadfast.sample_seeds import generator_states, set_generator_states
 from steadfast.stream_positions import fingerprint
 from steadfast.stream_resume import StreamResume
@@ -191,6 +192,5 @@ def replay_own_order(loader: DataLoader, trainer: L.Trainer, streams: StreamResu
             f"resume: seeding each sample (run.seed_per_sample) needs the engine's sampler, not {own}"
         )
     rebuilt = unstarted_copy(loader)
-    cls = type(loader)
-    rebuilt.__class__ = type(cls.__name__, (ReplaysOwnOrder, cls), {"__module__": cls.__module__, "position": position})
+    rebuilt.__class__ = in_front_of(type(loader), ReplaysOwnOrder, position=position)
     return rebuilt, note

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from steadfast.compat_loops import batches_fetched_ahead
 from steadfast.compat_torch import unstarted_copy
+from steadfast.loaders import in_front_of
 from steadfast.stream_positions import fingerprint, loading_its_state
 from steadfast.stream_resume import StreamResume
 
@@ -159,8 +160,5 @@ def keep_own(loader: Any, trainer: L.Trainer, streams: StreamResume) -> tuple[An
         )
     note = "; ".join(notes) or None
     rebuilt = unstarted_copy(loader)
-    cls = type(loader)
-    rebuilt.__class__ = type(
-        cls.__name__, (KeepsOwnPosition, cls), {"__module__": cls.__module__, "position": position}
-    )
+    rebuilt.__class__ = in_front_of(type(loader), KeepsOwnPosition, position=position)
     return rebuilt, note

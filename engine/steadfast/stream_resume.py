@@ -36,6 +36,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, get_worker_info
 
 from steadfast.compat_torch import unstarted_copy
+from steadfast.loaders import in_front_of
 from steadfast.stream_positions import Position, Tagging, loading_its_state
 
 MODES = ("fast_forward", "restart", "as_saved")  # as_saved: another first batch continues (not exact)
@@ -118,7 +119,7 @@ class StreamResume(Callback):
                             strict=self.mode != "as_saved")  # fmt: skip
         self.attach(position, trainer)
         rebuilt = unstarted_copy(loader)  # the user's loader is left as it is
-        rebuilt.__class__ = _stream_class(type(loader))
+        rebuilt.__class__ = in_front_of(type(loader), StreamLoader)
         here = dataset if loader.num_workers == 0 else None
         rebuilt.collate_fn = Tagging(loader.collate_fn, stateful, loader.batch_sampler is not None, here)
         rebuilt.position = position
@@ -199,17 +200,3 @@ class StreamResume(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.saved = state_dict.get("ranks")
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _stream_class(cls: type) -> type:
-    """``cls`` (``DataLoader`` or the user's subclass of it) with ``StreamLoader``'s ``__iter__`` in front."""
-    if issubclass(cls, StreamLoader):
-        return cls
-    if cls is DataLoader:
-        return StreamLoader
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (StreamLoader, cls), {"__module__": cls.__module__})
-    return _CLASSES[cls]
