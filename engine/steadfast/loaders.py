@@ -3,6 +3,7 @@ and ``ResumableDataLoader`` (``user_loaders`` puts them into plain loaders)."""
 
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -169,6 +170,17 @@ class ResumableDataLoader(DataLoader):
             self.sampler.set_epoch(state["epoch"])  # Lightning sets the epoch it resumes in before iterating
             # the run's seed may be another one now (``seed_everything: true`` draws one per run): keep the order
             self.sampler.seed = state.get("seed", self.sampler.seed)
+
+
+def seed_the_workers(loader: Any, epoch: int) -> None:
+    """Gives ``loader`` (whose user gave no generator) a generator of its own, seeded by the run's seed and ``epoch``:
+    torch draws each iterator's worker base seed from ``generator``, else from the global generator that dropout
+    uses, which a resume restores and would draw from again (a loader with a length starts its iterator after the
+    restore), shifting every draw after it; as ``ResumableDataLoader`` does. Call it as its iterator starts."""
+    if loader.generator is None or loader.own_generator:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        loader.generator = torch.Generator().manual_seed(seed + 7919 * (epoch + 1))
+        loader.own_generator = True
 
 
 _IN_FRONT: dict[tuple[type, type], type] = {}

@@ -17,7 +17,6 @@ ranks stops in one line (``StreamResume.attach``).
 """
 
 import itertools
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from steadfast.compat_torch import index_sampler, unstarted_copy
-from steadfast.loaders import in_front_of
+from steadfast.loaders import in_front_of, seed_the_workers
 from steadfast.sample_seeds import generator_states, set_generator_states
 from steadfast.stream_positions import fingerprint
 from steadfast.stream_resume import StreamResume
@@ -164,12 +163,7 @@ class ReplaysOwnOrder(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         position = self.position
-        if self.generator is None or self.own_generator:
-            # the workers' base seed from a generator of its own, not the global one the order is drawn from (as
-            # ``loaders.ResumableDataLoader``)
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            self.generator = torch.Generator().manual_seed(seed + 7919 * (position.epoch_of() + 1))
-            self.own_generator = True
+        seed_the_workers(self, position.epoch_of())  # not from the global generator the order is drawn from
         position.start_epoch()
         yield from super().__iter__()
 
