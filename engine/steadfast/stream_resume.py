@@ -42,8 +42,10 @@ from steadfast.stream_positions import Position, Tagging, loading_its_state
 MODES = ("fast_forward", "restart", "as_saved")  # as_saved: another first batch continues (not exact)
 
 
-def has_state(dataset: Any) -> bool:
-    return hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
+def saves_its_state(loader: Any) -> bool:
+    """Whether Lightning saves ``loader``'s position (or a dataset's) in checkpoints and restores it: it has
+    ``state_dict`` and ``load_state_dict`` (Lightning's own test)."""
+    return hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")
 
 
 def _load_state_in_worker(states: list[Any], user_init: Callable[[int], Any] | None, worker_id: int) -> None:
@@ -111,7 +113,7 @@ class StreamResume(Callback):
         ``restart``; and what it gives up, for the start line (``None``: nothing)."""
         index, dataset = len(self.positions), loader.dataset
         name = f"train loader {index} ({type(dataset).__name__})"
-        stateful = has_state(dataset)
+        stateful = saves_its_state(dataset)
         if not stateful and self.mode == "restart":
             return loader, "run.stream_resume is restart: a mid-epoch resume restarts that epoch's data"
         ordered = getattr(loader, "in_order", True)  # in_order=False: batches as the workers finish them

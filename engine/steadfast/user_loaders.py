@@ -29,7 +29,7 @@ from steadfast.loaders import ResumableDataLoader, ResumableSampler, check_eval_
 from steadfast.own_orders import replay_own_order
 from steadfast.own_positions import keep_own
 from steadfast.sample_seeds import can_seed, worker_init
-from steadfast.stream_resume import StreamResume
+from steadfast.stream_resume import StreamResume, saves_its_state
 
 HOOKS = {f"{split}_dataloader": split for split in ("train", "val", "test", "predict")}
 # The samplers whose order the engine redraws from (seed, epoch); any other is the user's own and left alone.
@@ -171,12 +171,6 @@ def engine_loader(
         # A generator of its own: creating an eval iterator must not draw from the global RNG that training uses.
         rebuilt.generator = torch.Generator().manual_seed(seed)
     return rebuilt, note
-
-
-def saves_its_state(loader: Any) -> bool:
-    """Whether Lightning saves ``loader``'s position in checkpoints and restores it: it has ``state_dict`` and
-    ``load_state_dict`` (Lightning's own test)."""
-    return hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")
 
 
 def _plain_stateful(loader: DataLoader) -> bool:
