@@ -26,6 +26,7 @@ import torch
 
 from steadfast.checkpoint_files import CheckpointLoadError, FilePath
 from steadfast.compat_torch import index_for_reader, load_bytes_weights_only
+from steadfast.console import first_line
 
 META = "meta.pt"  # Lightning's name for the non-tensor part (loops, callbacks, hyperparameters)
 INDEX = ".metadata"  # DCP's index of the shards, written by the coordinator once every rank has written
@@ -179,13 +180,8 @@ def load(state: dict[str, Any], path: Path, single_process: bool = False) -> Non
         dcp.load(state, storage_reader=reader(path), planner=planner(), no_dist=single_process)
     except CheckpointException as error:  # a BaseException: no `except Exception` (nor the one-line report) sees it
         # failures: rank -> (exception, traceback)
-        causes = [f"rank {rank}: {_first_line(failure[0])}" for rank, failure in sorted(error.failures.items())]
+        causes = [f"rank {rank}: {first_line(failure[0])}" for rank, failure in sorted(error.failures.items())]
         raise CheckpointLoadError(f"{path} could not be loaded ({'; '.join(causes) or error})") from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def _saved_tensors(path: FilePath, prefix: str) -> dict[str, Any]:
