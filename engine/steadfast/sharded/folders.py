@@ -47,9 +47,10 @@ def is_checkpoint_folder(path: FilePath) -> bool:
 
 
 def check_complete(path: FilePath) -> Any:
-    """DCP's index (``Metadata``) of a folder whose save finished: ``meta.pt`` and the index are there, and every
-    shard file the index names holds the bytes it points at. Raises ``CheckpointLoadError`` naming what is missing
-    (a shard lost after the save, e.g. a copy cut short, would otherwise load as a traceback from every rank)."""
+    """DCP's index (``Metadata``, read by ``_IndexUnpickler``) of a folder whose save finished: ``meta.pt`` and the
+    index are there, and every shard file the index names holds the bytes it points at. Raises ``CheckpointLoadError``
+    naming what is missing (a shard lost after the save, e.g. a copy cut short, would otherwise load as a traceback
+    from every rank)."""
     path = Path(path)
     missing = [name for name in (META, INDEX) if not (path / name).is_file()]
     if missing:
@@ -149,12 +150,6 @@ def _read_index_file(path: Path) -> Any:
     return index
 
 
-def read_index(path: FilePath) -> Any:
-    """DCP's ``Metadata`` of a complete folder (``check_complete``), read by ``_IndexUnpickler``; raises
-    ``CheckpointLoadError``."""
-    return check_complete(path)
-
-
 @functools.cache
 def _safe_reader_and_planner() -> tuple[type, type]:
     import torch.distributed.checkpoint as dcp
@@ -162,7 +157,7 @@ def _safe_reader_and_planner() -> tuple[type, type]:
 
     class SafeReader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return index_for_reader(self, read_index(self.path))
+            return index_for_reader(self, check_complete(self.path))
 
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # the default: weights_only=False
@@ -190,7 +185,7 @@ def _saved_tensors(path: FilePath, prefix: str) -> dict[str, Any]:
 
     return {
         key: meta
-        for key, meta in read_index(path).state_dict_metadata.items()
+        for key, meta in check_complete(path).state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
 
