@@ -24,7 +24,7 @@ from typing import Any
 # checks for the strategy, --ckpt_path last looks for folders), and DCP costs ~30 ms of each start-up.
 import torch
 
-from steadfast.checkpoint_files import CheckpointLoadError, FilePath
+from steadfast.checkpoint_files import CheckpointLoadError, FilePath, check_shapes
 from steadfast.compat_torch import index_for_reader, load_bytes_weights_only
 from steadfast.console import first_line
 
@@ -197,19 +197,8 @@ def check_same_network(path: Path, model: torch.nn.Module) -> None:
     }
     # a sharded weight (DTensor) has its full shape, so this holds before and after fully_shard
     here = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    problems = [
-        f"{k} is {list(saved[k])} in the checkpoint, {list(v)} here"
-        for k, v in here.items()
-        if k in saved and saved[k] != v
-    ]
-    problems += [f"{k} is missing from the checkpoint" for k in sorted(here.keys() - saved.keys())]
-    problems += [f"{k} is in the checkpoint only" for k in sorted(saved.keys() - here.keys())]
-    if problems:
-        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise CheckpointLoadError(
-            f"{path} holds a different network from the one configured: {shown}. Build the network the checkpoint "
-            f"was saved from: add --config {path.parent.parent / 'config.yaml'}"
-        )
+    missing, only = sorted(here.keys() - saved.keys()), sorted(saved.keys() - here.keys())
+    check_shapes(path, saved, here, missing, only, f"add --config {path.parent.parent / 'config.yaml'}")
 
 
 def full_state_dict(path: FilePath, prefix: str = "state_dict.") -> dict[str, torch.Tensor]:
