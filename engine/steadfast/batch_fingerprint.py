@@ -122,12 +122,9 @@ def gather(trainer: L.Trainer, mine: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's record (one per rank; ``[mine]`` on one process)."""
     if trainer.world_size == 1:
         return [mine]
-    device = trainer.strategy.root_device  # NCCL gathers only device tensors
-    length = trainer.strategy.all_gather(torch.tensor([len(mine)], device=device)).cpu().reshape(-1)
-    padded = torch.full((int(length.max()),), -1, dtype=torch.int64)
-    padded[: len(mine)] = mine
-    every = trainer.strategy.all_gather(padded.to(device)).cpu()
-    return [every[r, : int(length[r])].clone() for r in range(trainer.world_size)]
+    every: list[Any] = [None] * trainer.world_size
+    torch.distributed.all_gather_object(every, mine)  # of a length per rank; once per save or resume, not per step
+    return every
 
 
 def unpack(ranks: list[torch.Tensor]) -> list[dict]:

@@ -64,23 +64,27 @@ def check_fits(path: FilePath, module: nn.Module) -> None:
     # keys as uncompiled: a module may compile a layer in configure_model, which this check does not run
     saved = {uncompiled_key(k): v for k, v in load_checkpoint_file(path, mmap=True)["state_dict"].items()}
     full = {uncompiled_key(k): v for k, v in module.state_dict().items()}
-    here = {k: v for k, v in full.items() if isinstance(v, torch.Tensor) and not nn.parameter.is_lazy(v)}
-    problems = [
-        f"{key} is {list(saved[key].shape)} in the checkpoint, {list(value.shape)} here"
-        for key, value in here.items()
-        if isinstance(saved.get(key), torch.Tensor) and saved[key].shape != value.shape
-    ]
+    here = {k: v.shape for k, v in full.items() if isinstance(v, torch.Tensor) and not nn.parameter.is_lazy(v)}
+    missing, only = [], []
     if getattr(module, "strict_loading", True):
-        missing, unexpected = sorted(full.keys() - saved.keys()), sorted(saved.keys() - full.keys())
-        problems += [f"{key} is missing from the checkpoint" for key in missing]
+        missing = sorted(full.keys() - saved.keys())
         if not is_overridden("configure_model", module):  # else those layers may be built there, later
-            problems += [f"{key} is in the checkpoint only" for key in unexpected]
-    if not problems:
-        return
-    shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+            only = sorted(saved.keys() - full.keys())
     run_config = Path(path).parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt
     fix = f"add --config {run_config}" if run_config.is_file() else "give the --model arguments of its run"
-    raise CheckpointLoadError(
-        f"{path} holds a different network from the one configured: {shown}. "
-        f"Build the network the checkpoint was saved from: {fix}"
-    )
+    check_shapes(path, {k: v.shape for k, v in saved.items() if isinstance(v, torch.Tensor)}, here, missing, only, fix)
+
+
+def check_shapes(path: FilePath, saved: dict, here: dict, missing: list[str], only: list[str], fix: str) -> None:
+    """Raises ``CheckpointLoadError`` naming each weight whose shape differs (``saved``, ``here``: key -> shape),
+    each ``missing`` from the checkpoint and each in it ``only``; ``fix``: how to build the checkpoint's network."""
+    problems = [f"{k} is {list(saved[k])} in the checkpoint, {list(v)} here" for k, v in here.items()
+                if k in saved and saved[k] != v]  # fmt: skip
+    problems += [f"{k} is missing from the checkpoint" for k in missing]
+    problems += [f"{k} is in the checkpoint only" for k in only]
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise CheckpointLoadError(
+            f"{path} holds a different network from the one configured: {shown}. "
+            f"Build the network the checkpoint was saved from: {fix}"
+        )

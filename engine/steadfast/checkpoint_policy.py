@@ -49,11 +49,10 @@ class CheckpointPolicy:
         self.last_every, self.every_n_epochs = last_every, every_n_epochs
         self.background, self.crc32 = background, crc32
 
-    def callbacks(self, given: list[Callback], judge: ModelCheckpoint | None = None) -> list[Callback]:
+    def callbacks(self, given: list[Callback]) -> list[Callback]:
         """The engine's savers and reporters, to put beside ``given`` (the config's list). One of a kind: a config
         that still lists one (a copy made before this version) keeps its own, and a callback with the state key of
-        one of ``given`` (Lightning refuses two) is left out. ``judge``: the run's checkpoint with a monitor, whose
-        best the summary reports."""
+        one of ``given`` (Lightning refuses two) is left out. The CLI hands the summary its judge later."""
         wanted: list[Callback] = [LastCheckpoint(train_time_interval=self.last_every)]
         if self.every_n_epochs is not None:
             wanted.append(
@@ -64,7 +63,7 @@ class CheckpointPolicy:
                     auto_insert_metric_name=False,
                 )
             )
-        wanted += [LearningRateMonitor(logging_interval="step"), RunSummary(judge)]
+        wanted += [LearningRateMonitor(logging_interval="step"), RunSummary()]
         single = (LastCheckpoint, LearningRateMonitor, RunSummary)
         return [
             c

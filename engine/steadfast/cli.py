@@ -278,11 +278,3 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         if config.get("profiler") is None:
             kwargs["profiler"] = NoProfiler()
         return super().instantiate_trainer(**kwargs)
-
-
-def run_cli(args: ArgsType, run: bool) -> CLI | None:
-    """``fit|validate|test|predict ARGS`` through the engine's LightningCLI in subclass mode (no model or data class
-    given: any LightningModule, DataModule or net is one class_path away), inside ``config.entered`` (the program
-    and base config of this invocation: ``steadfast.main.cli_main`` enters them). ``run=False``: parse and
-    instantiate ``args`` (no subcommand) and run nothing, e.g. to check a sweep's space."""
-    return CLI(args=args, run=run)

@@ -7,9 +7,10 @@ line naming the attribute and the Lightning (or torch) version: the engine stops
 
 import ast
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning as L
 import torch
@@ -24,6 +25,27 @@ class LightningChanged(RuntimeError):
             "engine relies on (engine/steadfast/compat*.py; tests/test_compat.py names it). Install a lightning/torch "
             "that pyproject.toml allows, or update those modules"
         )
+
+
+_Read = TypeVar("_Read", bound=Callable[..., Any])
+
+
+def reads(message: str) -> Callable[[_Read], _Read]:
+    """Makes an ``AttributeError`` raised inside the decorated accessor a ``LightningChanged`` of ``message``, where
+    ``{}`` stands for the missing attribute's name. Only for an accessor that runs no user code (a hook, a module):
+    the user's own ``AttributeError`` would be renamed."""
+
+    def decorate(read: _Read) -> _Read:
+        @functools.wraps(read)
+        def reading(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return read(*args, **kwargs)
+            except AttributeError as error:
+                raise LightningChanged(message.format(error.name)) from None
+
+        return reading  # type: ignore[return-value]
+
+    return decorate
 
 
 def request_stop_at_batch_end(trainer: L.Trainer, stop: bool = True) -> None:

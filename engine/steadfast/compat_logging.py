@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torchmetrics import Metric
 
-from steadfast.compat import LightningChanged
+from steadfast.compat import LightningChanged, reads
 
 
 def set_csv_columns(writer: Any, columns: list[str]) -> None:
@@ -250,28 +250,27 @@ def experiment_opened(logger: Any) -> bool:
     return logger._experiment is not None
 
 
+@reads("fit_loop.epoch_loop.val_loop has no {}")
+def _seen_validation_batches(trainer: Any) -> dict[int, int]:
+    return trainer.fit_loop.epoch_loop.val_loop._seen_batches_per_dataloader
+
+
 def evaluation_logging_steps(trainer: Any) -> dict[int, int]:
     """Per validation loader, the step of the next ``on_step`` value a fit's validation logs."""
-    try:
-        return dict(trainer.fit_loop.epoch_loop.val_loop._seen_batches_per_dataloader)
-    except AttributeError as error:
-        raise LightningChanged(f"fit_loop.epoch_loop.val_loop has no {error.name}") from None
+    return dict(_seen_validation_batches(trainer))
 
 
 def continue_evaluation_logging_steps(trainer: Any, steps: dict[int, int]) -> None:
     """Sets them (``evaluation_logging_steps`` of a checkpoint) on this fit's validation loop. Call it at the start
     of a validation, after the loop set up its loaders (which starts the count at 0)."""
-    try:
-        seen = trainer.fit_loop.epoch_loop.val_loop._seen_batches_per_dataloader
-    except AttributeError as error:
-        raise LightningChanged(f"fit_loop.epoch_loop.val_loop has no {error.name}") from None
-    seen.update({int(k): int(v) for k, v in steps.items()})
+    _seen_validation_batches(trainer).update({int(k): int(v) for k, v in steps.items()})
 
 
 # A tensor value's running state in a ``_ResultMetric``: its sum (or max, min) and, for a mean, its samples
 _ACCUMULATORS = ("value", "cumulated_batch_size")
 
 
+@reads("the training loop's logged values have no {}")
 def epoch_accumulators(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
     """The running state of each tensor the training hooks logged with ``on_epoch=True`` this epoch, by its key in
     the training epoch loop's ``_ResultCollection`` (``fit_loop.epoch_loop._results``): Lightning sums it there
@@ -280,27 +279,22 @@ def epoch_accumulators(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
     state is (``steadfast.resume``)."""
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
-    try:
-        results = trainer.fit_loop.epoch_loop._results
-        logged = {key: m for key, m in results.items() if isinstance(m, _ResultMetric) and m.is_tensor}
-        return {key: {name: getattr(m, name).detach().to("cpu", copy=True) for name in _ACCUMULATORS
-                      if hasattr(m, name)}
-                for key, m in logged.items() if m.meta.on_epoch and m.update_called}  # fmt: skip
-    except AttributeError as error:
-        raise LightningChanged(f"the training loop's logged values have no {error.name}") from None
+    results = trainer.fit_loop.epoch_loop._results
+    logged = {key: m for key, m in results.items() if isinstance(m, _ResultMetric) and m.is_tensor}
+    return {key: {name: getattr(m, name).detach().to("cpu", copy=True) for name in _ACCUMULATORS
+                  if hasattr(m, name)}
+            for key, m in logged.items() if m.meta.on_epoch and m.update_called}  # fmt: skip
 
 
+@reads("the training loop's logged values have no {}")
 def continue_epoch_accumulators(trainer: Any, saved: dict[str, dict[str, torch.Tensor]]) -> None:
     """Gives each key of ``saved`` (``epoch_accumulators`` of a checkpoint) its running state back right before its
     first update of the resumed epoch, so the sum goes on in the uninterrupted run's order (bit-equal):
     ``_ResultCollection.update_metrics``, which ``log`` calls after it made the key's ``_ResultMetric``, is replaced
     on the training loop's instance until each key has had it (``stop_continuing_epoch_accumulators`` at the epoch's
     end for a key not logged again)."""
-    try:
-        results = trainer.fit_loop.epoch_loop._results
-        update = type(results).update_metrics
-    except AttributeError as error:
-        raise LightningChanged(f"the training loop's logged values have no {error.name}") from None
+    results = trainer.fit_loop.epoch_loop._results
+    update = type(results).update_metrics
     pending = dict(saved)
 
     def update_metrics(key: str, value: Any, batch_size: int) -> None:

@@ -6,7 +6,7 @@ not know they raise ``LightningChanged`` (``steadfast.compat``).
 
 import lightning as L
 
-from steadfast.compat import LightningChanged
+from steadfast.compat import LightningChanged, reads
 
 
 def reopen_an_epoch_stopped_mid_way(checkpoint: dict) -> None:
@@ -62,42 +62,36 @@ def start_the_epoch_after_an_ended_one(checkpoint: dict, max_steps: int) -> bool
     return True
 
 
+@reads("fit_loop.epoch_loop has no {}")
 def start_the_epoch_loop_afresh(trainer: L.Trainer) -> None:
     """The second half of ``start_the_epoch_after_an_ended_one``: the epoch loop (and its validation loop) not
     restarting, as without ``max_steps``. Call it in ``on_train_start``, after the fit loop's reset and before the
     epoch loop's."""
-    try:
-        loop = trainer.fit_loop.epoch_loop
-        loop.restarting = False  # Lightning's setter: its child loops too
-        loop.reset_restart_stage()
-    except AttributeError as error:
-        raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
+    loop = trainer.fit_loop.epoch_loop
+    loop.restarting = False  # Lightning's setter: its child loops too
+    loop.reset_restart_stage()
 
 
+@reads("fit_loop has no {}")
 def lightning_skips_the_plateau_step(trainer: L.Trainer) -> bool:
     """Whether ``FitLoop.on_advance_end`` will skip the ``ReduceLROnPlateau`` step of the epoch ending now: it steps
     only when the fit loop is not restarting, which it still is at the end of the epoch a mid-epoch resume lands in
     (and only when the epoch ran all its batches, ``epoch_loop._num_ready_batches_reached()``). Read in
     ``on_train_epoch_end``; the engine takes the step itself at the next epoch's start (``steadfast.monitored_values``).
     (Lightning #18595; the fix proposed in docs/upstream.md.)"""
-    try:
-        loop = trainer.fit_loop
-        return bool(loop.restarting) and loop.epoch_loop._num_ready_batches_reached()
-    except AttributeError as error:
-        raise LightningChanged(f"fit_loop has no {error.name}") from None
+    loop = trainer.fit_loop
+    return bool(loop.restarting) and loop.epoch_loop._num_ready_batches_reached()
 
 
+@reads("fit_loop has no {}")
 def plateau_step_pending(trainer: L.Trainer) -> bool:
     """Whether this point lies between an epoch's end hooks and Lightning's ``ReduceLROnPlateau`` step after them
     (``fit_loop.epoch_progress.current``: processed, not completed; ``epoch_loop._num_ready_batches_reached()``, the
     condition of that step): a checkpoint saved here (a ``ModelCheckpoint`` at ``on_train_epoch_end``, the default
     with validation every epoch) holds the plateau schedulers before their step of this epoch."""
-    try:
-        loop = trainer.fit_loop
-        progress = loop.epoch_progress.current
-        return progress.processed > progress.completed and loop.epoch_loop._num_ready_batches_reached()
-    except AttributeError as error:
-        raise LightningChanged(f"fit_loop has no {error.name}") from None
+    loop = trainer.fit_loop
+    progress = loop.epoch_progress.current
+    return progress.processed > progress.completed and loop.epoch_loop._num_ready_batches_reached()
 
 
 def step_the_plateau_schedulers(trainer: L.Trainer, epoch: int) -> None:
@@ -124,51 +118,44 @@ def step_the_plateau_schedulers(trainer: L.Trainer, epoch: int) -> None:
         raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
 
 
+@reads("fit_loop.epoch_loop has no {}")
 def accumulating(trainer: L.Trainer) -> bool:
     """Whether the training batch just ended took no optimizer step (``fit_loop.epoch_loop._should_accumulate``, as
     Lightning decides): the gradients of the batches since the last step are in the parameters' ``.grad``, which no
     checkpoint holds, so a save or a stop here would resume with that step's first batches left out."""
-    try:
-        return bool(trainer.fit_loop.epoch_loop._should_accumulate())
-    except AttributeError as error:
-        raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())
 
 
+@reads("fit_loop.epoch_loop.batch_progress has no {}")
 def batches_accumulated(trainer: L.Trainer) -> int:
     """The training batches whose gradients are summed in ``.grad`` for an optimizer step not yet taken, as of the
     batch just ended (``batch_progress.current.ready``): 0 where it stepped."""
     if not accumulating(trainer):
         return 0
-    try:
-        return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready) % trainer.accumulate_grad_batches
-    except AttributeError as error:
-        raise LightningChanged(f"fit_loop.epoch_loop.batch_progress has no {error.name}") from None
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready) % trainer.accumulate_grad_batches
 
 
+@reads("fit_loop.epoch_loop.batch_progress has no {}")
 def batch_under_way(trainer: L.Trainer) -> int | None:
     """The index in its epoch of the training batch fetched and not yet trained (its step not done: a save from an
     exception raised in ``on_train_batch_start`` or the step, as ``OnExceptionCheckpoint``'s), else ``None``: at a
     batch end Lightning has counted the batch processed (``batch_progress.current.processed == ready``)."""
-    try:
-        current = trainer.fit_loop.epoch_loop.batch_progress.current
-        ready, processed = int(current.ready), int(current.processed)
-    except AttributeError as error:
-        raise LightningChanged(f"fit_loop.epoch_loop.batch_progress has no {error.name}") from None
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    ready, processed = int(current.ready), int(current.processed)
     return ready - 1 if ready > processed else None
 
 
+@reads("fit_loop.epoch_loop has no {}")
 def stopping_mid_epoch(trainer: L.Trainer) -> bool:
     """Whether the fit stops in the middle of an epoch: ``trainer.should_stop`` set (``max_time``'s ``Timer``, an
     early stop, a callback) or ``max_steps`` reached, before the epoch's last batch
     (``fit_loop.epoch_loop.batch_progress.is_last_batch``). Lightning then runs the epoch's end hooks there, and at
     ``should_stop`` validates first (``TrainingEpochLoop._should_check_val_fx``)."""
     reached = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
-    try:
-        return (trainer.should_stop or reached) and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-    except AttributeError as error:
-        raise LightningChanged(f"fit_loop.epoch_loop has no {error.name}") from None
+    return (trainer.should_stop or reached) and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
 
+@reads("fit_loop has no {}")
 def validation_due_without_the_stop(trainer: L.Trainer) -> bool:
     """Whether the validation starting now is one Lightning runs without ``trainer.should_stop`` set
     (``fit_loop.epoch_loop._should_check_val_fx``, asked with it unset; it validates also when a fit stops)."""
@@ -176,8 +163,6 @@ def validation_due_without_the_stop(trainer: L.Trainer) -> bool:
     stop, trainer.should_stop = trainer.should_stop, False
     try:
         return bool(loop.epoch_loop._should_check_val_fx(loop._data_fetcher))
-    except AttributeError as error:
-        raise LightningChanged(f"fit_loop has no {error.name}") from None
     finally:
         trainer.should_stop = stop
 
@@ -193,13 +178,11 @@ def train_loaders_cycle(trainer: L.Trainer) -> bool:
     return mode == "max_size_cycle" and len(combined.flattened) > 1
 
 
+@reads("fit_loop.epoch_loop.batch_progress.total has no {}")
 def batches_begun(trainer: L.Trainer) -> int:
     """Training batches this fit has begun (``fit_loop.epoch_loop.batch_progress.total.ready``, counted before
     ``on_train_batch_start``): the same on every rank at the same point of the loop."""
-    try:
-        return int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
-    except AttributeError as error:
-        raise LightningChanged(f"fit_loop.epoch_loop.batch_progress.total has no {error.name}") from None
+    return int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
 
 
 def load_the_loader_states_lightning_left(trainer: L.Trainer) -> bool:
@@ -242,18 +225,16 @@ def batches_fetched_ahead(trainer: L.Trainer) -> int:
 COUNTS = ("ready", "started", "processed", "completed")
 
 
+@reads("fit_loop.epoch_loop.batch_progress has no {}")
 def rescale_batch_progress(trainer: L.Trainer, before: int, after: int) -> None:
     """Rewrites the fit loop's micro-batch counters, restored from a checkpoint whose micro-batches held ``before``
     samples over all ranks, to micro-batches of ``after`` samples: each rank then counts the batches it would have
     run had the run had this shape from the start (the loop decides from them where the epoch and each accumulation
     end). Offsets between the counts (a save at a batch end counts that batch ready, not completed) are kept. Call it
     after the loops are restored and before the epoch loop resets (``on_train_start``)."""
-    try:
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        trackers = {"current": progress.current, "total": progress.total}
-        counts = {name: {c: int(getattr(t, c)) for c in COUNTS} for name, t in trackers.items()}
-    except AttributeError as error:
-        raise LightningChanged(f"fit_loop.epoch_loop.batch_progress has no {error.name}") from None
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    trackers = {"current": progress.current, "total": progress.total}
+    counts = {name: {c: int(getattr(t, c)) for c in COUNTS} for name, t in trackers.items()}
     for name, tracker in trackers.items():
         samples = counts[name]["processed"] * before
         if samples % after:
@@ -265,14 +246,12 @@ def rescale_batch_progress(trainer: L.Trainer, before: int, after: int) -> None:
             setattr(tracker, count, samples // after + counts[name][count] - counts[name]["processed"])
 
 
+@reads("FitLoop.restarted_mid_epoch is gone")
 def lightning_skips_the_epoch_start(trainer: L.Trainer) -> bool:
     """At ``on_train_start`` of a resumed fit: whether the fit loop will start the epoch the resume lands in without
     ``on_train_epoch_start`` (``FitLoop.restarted_mid_epoch``: a checkpoint mid-epoch or of the previous epoch's last
     batch end, ``trainer.current_epoch`` the epoch that trains next)."""
-    try:
-        return bool(trainer.fit_loop.restarted_mid_epoch)
-    except AttributeError:
-        raise LightningChanged("FitLoop.restarted_mid_epoch is gone") from None
+    return bool(trainer.fit_loop.restarted_mid_epoch)
 
 
 def start_the_epoch_lightning_skipped(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -298,13 +277,11 @@ def start_the_epoch_lightning_skipped(trainer: L.Trainer, pl_module: L.Lightning
     pl_module.on_train_epoch_start()
 
 
+@reads("fit_loop.epoch_loop._batches_that_stepped is gone")
 def logging_step(trainer: L.Trainer) -> int:
     """The step Lightning passes to the loggers for the current training batch (not ``global_step``: with two
     optimizer steps a batch, it counts batches; incremented after each batch's logging)."""
-    try:
-        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
-    except AttributeError:
-        raise LightningChanged("fit_loop.epoch_loop._batches_that_stepped is gone") from None
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
 # The module hooks a checkpoint is saved after (Lightning's ModelCheckpoint saves at a training batch end and at a

@@ -72,13 +72,9 @@ def entered(program: str, base_config: Path | str | Sequence[Path | str] | None)
         _entry = before
 
 
-def find_default_config() -> Path | None:
-    return _entry.base_config
-
-
 def base_monitor() -> str | None:
     """``run.monitor`` of the base config (a project's ``configs/default.yaml``), ``None`` without one."""
-    path = find_default_config()
+    path = _entry.base_config
     if path is None:
         return None
     with open(path) as f:

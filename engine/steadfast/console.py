@@ -100,3 +100,9 @@ def quiet_console() -> Iterator[None]:
         finally:
             for name in LOGGERS:
                 logging.getLogger(name).removeFilter(drop)
+
+
+def first_line(error: BaseException) -> str:
+    """``error`` in one line: its type and its message's first line."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from steadfast.checkpoint_io import CheckpointWriteError
 from steadfast.compat import LightningChanged
-from steadfast.config import entry, find_default_config
+from steadfast.config import entry
 from steadfast.rank_failures import resume_command
 
 # What bad input raises once a run has started; anything else is a bug and keeps its traceback.
@@ -214,7 +214,7 @@ def _where(keys: list[str], given: Sequence[str], value: str | None) -> str:
     jsonargparse checks each file and flag in turn and stops at the first bad one. ``value=None`` (not known): the
     first file or flag given that sets the key, else the base config (which the tests parse)."""
     key = ".".join(keys)
-    default = find_default_config()
+    default = entry().base_config
     base = [(f"{key} in {_relative(str(default))}", _yaml(default))] if default else []
     sources = []
     for i, arg in enumerate(given):

@@ -17,8 +17,8 @@ from steadfast.own_orders import ReplaysOwnOrder
 from steadfast.resume import ExactResume
 from steadfast.runs import RunPlan
 from steadfast.speed.switches import SpeedSwitch
-from steadfast.stream_resume import StreamLoader, StreamResume
-from steadfast.user_loaders import UserLoaders, saves_its_state
+from steadfast.stream_resume import StreamLoader, StreamResume, saves_its_state
+from steadfast.user_loaders import UserLoaders
 
 
 class Guarantees(Callback):

@@ -62,12 +62,12 @@ class HostSnapshot:
             self._copies = {key: entry for key, entry in self._copies.items() if key in fresh and key not in stale}
             for key in stale:
                 t = fresh[key]
-                self._copies[key] = (t, _version(t), _to_host(t, buffers.pop(key, None)))
+                self._copies[key] = (t, version_counter(t), _to_host(t, buffers.pop(key, None)))
             self._progress = copy.deepcopy(progress)
         return _map_tensors(checkpoint, lambda t: self._copies[_key(t)][2])
 
     def _unchanged(self, key: tuple, t: torch.Tensor) -> bool:
-        version = _version(t)
+        version = version_counter(t)  # bumped by every in-place write (optimizer steps, running stats); None: copied
         return key in self._copies and version is not None and self._copies[key][1] == version
 
 
@@ -94,10 +94,6 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def _key(t: torch.Tensor) -> tuple:
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()) if t.layout == torch.strided else ())
-
-
-def _version(t: torch.Tensor) -> int | None:
-    return version_counter(t)  # bumped by every in-place write (optimizer steps, running stats); None: copied
 
 
 def _to_host(t: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:

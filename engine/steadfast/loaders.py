@@ -3,6 +3,7 @@ and ``ResumableDataLoader`` (``user_loaders`` puts them into plain loaders)."""
 
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -169,6 +170,36 @@ class ResumableDataLoader(DataLoader):
             self.sampler.set_epoch(state["epoch"])  # Lightning sets the epoch it resumes in before iterating
             # the run's seed may be another one now (``seed_everything: true`` draws one per run): keep the order
             self.sampler.seed = state.get("seed", self.sampler.seed)
+
+
+def seed_the_workers(loader: Any, epoch: int) -> None:
+    """Gives ``loader`` (whose user gave no generator) a generator of its own, seeded by the run's seed and ``epoch``:
+    torch draws each iterator's worker base seed from ``generator``, else from the global generator that dropout
+    uses, which a resume restores and would draw from again (a loader with a length starts its iterator after the
+    restore), shifting every draw after it; as ``ResumableDataLoader`` does. Call it as its iterator starts."""
+    if loader.generator is None or loader.own_generator:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        loader.generator = torch.Generator().manual_seed(seed + 7919 * (epoch + 1))
+        loader.own_generator = True
+
+
+_IN_FRONT: dict[tuple[type, type], type] = {}
+
+
+def in_front_of(cls: type, mixin: type, **attributes: Any) -> type:
+    """``cls`` (``DataLoader`` or the user's subclass of it, whose name it keeps) with ``mixin``'s methods in front:
+    the user's class still iterates, collates and holds its attributes. With class ``attributes``, a new class at each
+    call; without, one per pair (``cls`` itself where it has ``mixin`` already, ``mixin`` for a plain ``DataLoader``).
+    """
+    if attributes:
+        return type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, **attributes})
+    if issubclass(cls, mixin):
+        return cls
+    if cls is DataLoader:
+        return mixin
+    if (cls, mixin) not in _IN_FRONT:
+        _IN_FRONT[cls, mixin] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__})
+    return _IN_FRONT[cls, mixin]
 
 
 def check_train_batch(batch_size: int, sampler: ResumableSampler) -> None:

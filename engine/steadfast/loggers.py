@@ -191,13 +191,13 @@ def let_appended_loggers_parse(args: list[str]) -> list[str]:
         else:
             continue
         given = i + 1 < len(args) and args[i + 1].startswith("--trainer.logger.init_args.save_dir")
-        cls = _class_named(name)
+        cls = class_named(name)
         if not given and cls is not None and issubclass(cls, (TensorBoardLogger, CSVLogger)):
             out.append("--trainer.logger.init_args.save_dir=runs")  # replaced by the run folder's parent
     return out
 
 
-def _class_named(name: str) -> type | None:
+def class_named(name: str) -> type | None:
     """A class from its import path, or from its name in ``lightning.pytorch.loggers``; ``None`` if neither."""
     import importlib
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lightning.pytorch.cli import ArgsType
 
-from steadfast.cli import CLI, run_cli
+from steadfast.cli import CLI
 from steadfast.config import entered, entry
 
 
@@ -34,4 +34,4 @@ def cli_main(
 
             sweep_main(list(argv[1:]))
             return None
-        return run_cli(args, run)
+        return CLI(args=args, run=run)  # subclass mode: any LightningModule, DataModule or net by class_path

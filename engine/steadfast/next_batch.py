@@ -18,7 +18,8 @@ from steadfast.loaders import ResumableDataLoader, ResumableSampler
 from steadfast.own_orders import OwnOrder
 from steadfast.own_positions import OwnPosition
 from steadfast.stream_positions import Position
-from steadfast.user_loaders import own_order, saves_its_state
+from steadfast.stream_resume import saves_its_state
+from steadfast.user_loaders import own_order
 
 
 def record(trainer: L.Trainer) -> list[Any]:

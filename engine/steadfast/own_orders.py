@@ -15,7 +15,6 @@ drawn again from where the epoch started. Another number of ranks stops in one l
 """
 
 import itertools
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from steadfast.compat_torch import index_sampler, unstarted_copy
+from steadfast.loaders import in_front_of, seed_the_workers
 from steadfast.sample_seeds import generator_states, set_generator_states
 from steadfast.stream_positions import fingerprint
 from steadfast.stream_resume import StreamResume
@@ -161,12 +161,7 @@ class ReplaysOwnOrder(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         position = self.position
-        if self.generator is None or self.own_generator:
-            # the workers' base seed from a generator of its own, not the global one the order is drawn from (as
-            # ``loaders.ResumableDataLoader``)
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            self.generator = torch.Generator().manual_seed(seed + 7919 * (position.epoch_of() + 1))
-            self.own_generator = True
+        seed_the_workers(self, position.epoch_of())  # not from the global generator the order is drawn from
         position.start_epoch()
         yield from super().__iter__()
 
@@ -189,6 +184,5 @@ def replay_own_order(loader: DataLoader, trainer: L.Trainer, streams: StreamResu
             f"resume: seeding each sample (run.seed_per_sample) needs the engine's sampler, not {own}"
         )
     rebuilt = unstarted_copy(loader)
-    cls = type(loader)
-    rebuilt.__class__ = type(cls.__name__, (ReplaysOwnOrder, cls), {"__module__": cls.__module__, "position": position})
+    rebuilt.__class__ = in_front_of(type(loader), ReplaysOwnOrder, position=position)
     return rebuilt, note

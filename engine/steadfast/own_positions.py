@@ -14,18 +14,17 @@ ranks does: docs/engine.md, 'Data pipelines and what a resume gives each'.
 """
 
 import copy
-import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.fabric.utilities.data import has_len
 from torch.utils.data import DataLoader
 
 from steadfast.compat_loops import batches_fetched_ahead
 from steadfast.compat_torch import unstarted_copy
+from steadfast.loaders import in_front_of, seed_the_workers
 from steadfast.stream_positions import fingerprint, loading_its_state
 from steadfast.stream_resume import StreamResume
 
@@ -102,13 +101,7 @@ class KeepsOwnPosition(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         position = self.position
-        if self.generator is None or self.own_generator:
-            # torch draws each iterator's worker base seed from ``generator``, else from the global generator that
-            # dropout uses: a resume restores that one, and would draw again (a loader with a length starts its
-            # iterator after the restore), shifting every draw after it; as ``loaders.ResumableDataLoader``
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            self.generator = torch.Generator().manual_seed(seed + 7919 * (position.epoch_of() + 1))
-            self.own_generator = True
+        seed_the_workers(self, position.epoch_of())
         restore, position.restore = position.restore, None
         if restore is not None:
             position.resumed = restore
@@ -157,8 +150,5 @@ def keep_own(loader: Any, trainer: L.Trainer, streams: StreamResume) -> tuple[An
         )
     note = "; ".join(notes) or None
     rebuilt = unstarted_copy(loader)
-    cls = type(loader)
-    rebuilt.__class__ = type(
-        cls.__name__, (KeepsOwnPosition, cls), {"__module__": cls.__module__, "position": position}
-    )
+    rebuilt.__class__ = in_front_of(type(loader), KeepsOwnPosition, position=position)
     return rebuilt, note

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from steadfast.compat import child_observer_waits, launched_children
 from steadfast.compat_torch import PEER_GONE
 from steadfast.config import SWITCHABLE, entry
+from steadfast.console import first_line
 from steadfast.run_checkpoints import find_last_checkpoint
 from steadfast.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
@@ -75,11 +76,6 @@ def launched_by_lightning(trainer: L.Trainer) -> bool:
     """A multi-process run whose ranks Lightning's ``ddp`` launcher started (not torchrun/SLURM): the other ranks of
     this machine are its local rank 0's children."""
     return trainer.world_size > 1 and type(trainer.strategy.cluster_environment) is LightningEnvironment
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 class RankFailures(Callback):
@@ -174,7 +170,7 @@ class RankFailures(Callback):
     def _leave_note(self, exception: BaseException) -> None:
         if self.notes is not None:
             self.notes.mkdir(parents=True, exist_ok=True)
-            (self.notes / f"{self.rank}.txt").write_text(_first_line(exception))
+            (self.notes / f"{self.rank}.txt").write_text(first_line(exception))
 
     def _note(self, rank: int) -> str | None:
         path = self.notes / f"{rank}.txt" if self.notes is not None else None

@@ -4,7 +4,6 @@ ids kept in ``run.json``.
 """
 
 import csv
-import importlib
 import json
 import os
 from pathlib import Path
@@ -13,15 +12,8 @@ from typing import Any
 from jsonargparse import Namespace
 
 from steadfast.compat_logging import set_csv_columns
+from steadfast.loggers import class_named
 from steadfast.runs import RUN_RECORD, RunPlan
-
-
-def _logger_class(item: Namespace) -> type | None:
-    module, _, name = str(item.get("class_path")).rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
 
 
 def logger_configs(trainer_config: Namespace) -> list[Namespace]:
@@ -50,7 +42,7 @@ def point_loggers_at(plan: RunPlan, trainer_config: Namespace) -> list[str]:
         )
     family, unknown = plan.dir.parent, []
     for item in logger_configs(trainer_config):
-        cls, args = _logger_class(item), item.init_args
+        cls, args = class_named(item.class_path), item.init_args
         if cls is None:
             continue
         if issubclass(cls, (TensorBoardLogger, CSVLogger)):

@@ -30,13 +30,14 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, get_worker_info
 
 from steadfast.compat_torch import unstarted_copy
+from steadfast.loaders import in_front_of
 from steadfast.stream_positions import Position, Tagging, loading_its_state
 
-MODES = ("fast_forward", "restart", "as_saved")  # as_saved: another first batch continues (not exact)
 
-
-def has_state(dataset: Any) -> bool:
-    return hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
+def saves_its_state(loader: Any) -> bool:
+    """Whether Lightning saves ``loader``'s position (or a dataset's) in checkpoints and restores it: it has
+    ``state_dict`` and ``load_state_dict`` (Lightning's own test)."""
+    return hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")
 
 
 def _load_state_in_worker(states: list[Any], user_init: Callable[[int], Any] | None, worker_id: int) -> None:
@@ -88,9 +89,7 @@ class StreamResume(Callback):
     """
 
     def __init__(self, mode: str = "fast_forward") -> None:
-        if mode not in MODES:
-            raise ValueError(f"run.stream_resume ({mode!r}) must be one of {', '.join(MODES)}")
-        self.mode = mode
+        self.mode = mode  # run.stream_resume, which its Literal type checks
         self.positions: list[Any] = []  # Position, own_positions.OwnPosition or own_orders.OwnOrder
         self.saved: list[list[dict[str, Any]]] | None = None  # every rank's positions, from the checkpoint
         self._checked = False
@@ -104,7 +103,7 @@ class StreamResume(Callback):
         ``restart``; and what it gives up, for the start line (``None``: nothing)."""
         index, dataset = len(self.positions), loader.dataset
         name = f"train loader {index} ({type(dataset).__name__})"
-        stateful = has_state(dataset)
+        stateful = saves_its_state(dataset)
         if not stateful and self.mode == "restart":
             return loader, "run.stream_resume is restart: a mid-epoch resume restarts that epoch's data"
         ordered = getattr(loader, "in_order", True)  # in_order=False: batches as the workers finish them
@@ -112,7 +111,7 @@ class StreamResume(Callback):
                             strict=self.mode != "as_saved")  # fmt: skip
         self.attach(position, trainer)
         rebuilt = unstarted_copy(loader)  # the user's loader is left as it is
-        rebuilt.__class__ = _stream_class(type(loader))
+        rebuilt.__class__ = in_front_of(type(loader), StreamLoader)
         here = dataset if loader.num_workers == 0 else None
         rebuilt.collate_fn = Tagging(loader.collate_fn, stateful, loader.batch_sampler is not None, here)
         rebuilt.position = position
@@ -193,17 +192,3 @@ class StreamResume(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.saved = state_dict.get("ranks")
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _stream_class(cls: type) -> type:
-    """``cls`` (``DataLoader`` or the user's subclass of it) with ``StreamLoader``'s ``__iter__`` in front."""
-    if issubclass(cls, StreamLoader):
-        return cls
-    if cls is DataLoader:
-        return StreamLoader
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (StreamLoader, cls), {"__module__": cls.__module__})
-    return _CLASSES[cls]

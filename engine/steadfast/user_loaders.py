@@ -25,11 +25,11 @@ from torch.utils.data import (
 from steadfast.compat import loader_with_sampler, uses_distributed_sampler
 from steadfast.compat_torch import sampler_of_its_batch_sampler
 from steadfast.elastic import GlobalBatch
-from steadfast.loaders import ResumableDataLoader, ResumableSampler, check_eval_share, check_train_batch
+from steadfast.loaders import ResumableDataLoader, ResumableSampler, check_eval_share, check_train_batch, in_front_of
 from steadfast.own_orders import replay_own_order
 from steadfast.own_positions import keep_own
 from steadfast.sample_seeds import can_seed, worker_init
-from steadfast.stream_resume import StreamResume
+from steadfast.stream_resume import StreamResume, saves_its_state
 
 HOOKS = {f"{split}_dataloader": split for split in ("train", "val", "test", "predict")}
 # The samplers whose order the engine redraws from (seed, epoch); any other is the user's own and left alone.
@@ -166,17 +166,11 @@ def engine_loader(
     rebuilt = loader_with_sampler(loader, resumable)
     sampler_of_its_batch_sampler(rebuilt)  # a StatefulDataLoader's BatchSampler, rebuilt by Lightning
     if train:
-        rebuilt.__class__ = _resumable(type(rebuilt))
+        rebuilt.__class__ = in_front_of(type(rebuilt), ResumableDataLoader)
     elif rebuilt.generator is None:
         # A generator of its own: creating an eval iterator must not draw from the global RNG that training uses.
         rebuilt.generator = torch.Generator().manual_seed(seed)
     return rebuilt, note
-
-
-def saves_its_state(loader: Any) -> bool:
-    """Whether Lightning saves ``loader``'s position in checkpoints and restores it: it has ``state_dict`` and
-    ``load_state_dict`` (Lightning's own test)."""
-    return hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")
 
 
 def _plain_stateful(loader: DataLoader) -> bool:
@@ -234,18 +228,3 @@ def _gives_up(reason: str, split: str, world: int, split_over_ranks: bool, shard
     if split == "predict":
         return None  # Lightning's UnrepeatedDistributedSamplerWrapper: each sample on one rank
     return f"{reason}: Lightning's DistributedSampler pads it over {world} ranks, so {stage} counts a few samples twice"
-
-
-_RESUMABLE: dict[type, type] = {}
-
-
-def _resumable(cls: type) -> type:
-    """``cls`` (``DataLoader`` or the user's subclass of it) with ``ResumableDataLoader``'s position-saving
-    ``state_dict`` and skip on resume; the user's class still iterates, collates and holds its attributes."""
-    if issubclass(cls, ResumableDataLoader):
-        return cls
-    if cls is DataLoader:
-        return ResumableDataLoader
-    if cls not in _RESUMABLE:
-        _RESUMABLE[cls] = type(cls.__name__, (ResumableDataLoader, cls), {"__module__": cls.__module__})
-    return _RESUMABLE[cls]

@@ -17,7 +17,7 @@ import torch
 
 from steadfast.checkpoint_files import CheckpointLoadError, load_checkpoint_file
 from steadfast.compat_torch import load_bytes_weights_only
-from steadfast.sharded.folders import INDEX, META, _IndexUnpickler, full_state_dict, read_index, read_meta
+from steadfast.sharded.folders import INDEX, META, _IndexUnpickler, check_complete, full_state_dict, read_meta
 
 # (module, dotted name) pairs that reach os.system through modules an unpickler might allow
 DOTTED = [
@@ -81,7 +81,7 @@ def test_a_dotted_name_in_a_sharded_index_is_refused_unrun(dcp_folder, tmp_path,
     assert marker.exists() and type(index).__name__ == "Metadata"
     marker.unlink()
     (dcp_folder / INDEX).write_bytes(evil)
-    for read in (read_index, read_meta, full_state_dict):  # what --ckpt_path last, validate and export call
+    for read in (check_complete, read_meta, full_state_dict):  # what --ckpt_path last, validate and export call
         with pytest.raises(CheckpointLoadError, match="could run code"):
             read(dcp_folder)
     assert not marker.exists()

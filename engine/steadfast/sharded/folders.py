@@ -20,8 +20,9 @@ from typing import Any
 # checks for the strategy, --ckpt_path last looks for folders), and DCP costs ~30 ms of each start-up.
 import torch
 
-from steadfast.checkpoint_files import CheckpointLoadError, FilePath
+from steadfast.checkpoint_files import CheckpointLoadError, FilePath, check_shapes
 from steadfast.compat_torch import index_for_reader, load_bytes_weights_only
+from steadfast.console import first_line
 
 META = "meta.pt"  # Lightning's name for the non-tensor part (loops, callbacks, hyperparameters)
 INDEX = ".metadata"  # DCP's index of the shards, written by the coordinator once every rank has written
@@ -42,9 +43,10 @@ def is_checkpoint_folder(path: FilePath) -> bool:
 
 
 def check_complete(path: FilePath) -> Any:
-    """DCP's index (``Metadata``) of a folder whose save finished: ``meta.pt`` and the index are there, and every
-    shard file the index names holds the bytes it points at. Raises ``CheckpointLoadError`` naming what is missing
-    (a shard lost after the save, e.g. a copy cut short, would otherwise load as a traceback from every rank)."""
+    """DCP's index (``Metadata``, read by ``_IndexUnpickler``) of a folder whose save finished: ``meta.pt`` and the
+    index are there, and every shard file the index names holds the bytes it points at. Raises ``CheckpointLoadError``
+    naming what is missing (a shard lost after the save, e.g. a copy cut short, would otherwise load as a traceback
+    from every rank)."""
     path = Path(path)
     missing = [name for name in (META, INDEX) if not (path / name).is_file()]
     if missing:
@@ -144,12 +146,6 @@ def _read_index_file(path: Path) -> Any:
     return index
 
 
-def read_index(path: FilePath) -> Any:
-    """DCP's ``Metadata`` of a complete folder (``check_complete``), read by ``_IndexUnpickler``; raises
-    ``CheckpointLoadError``."""
-    return check_complete(path)
-
-
 @functools.cache
 def _safe_reader_and_planner() -> tuple[type, type]:
     import torch.distributed.checkpoint as dcp
@@ -157,7 +153,7 @@ def _safe_reader_and_planner() -> tuple[type, type]:
 
     class SafeReader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return index_for_reader(self, read_index(self.path))
+            return index_for_reader(self, check_complete(self.path))
 
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # the default: weights_only=False
@@ -175,13 +171,8 @@ def load(state: dict[str, Any], path: Path, single_process: bool = False) -> Non
         dcp.load(state, storage_reader=reader(path), planner=planner(), no_dist=single_process)
     except CheckpointException as error:  # a BaseException: no `except Exception` (nor the one-line report) sees it
         # failures: rank -> (exception, traceback)
-        causes = [f"rank {rank}: {_first_line(failure[0])}" for rank, failure in sorted(error.failures.items())]
+        causes = [f"rank {rank}: {first_line(failure[0])}" for rank, failure in sorted(error.failures.items())]
         raise CheckpointLoadError(f"{path} could not be loaded ({'; '.join(causes) or error})") from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def _saved_tensors(path: FilePath, prefix: str) -> dict[str, Any]:
@@ -190,7 +181,7 @@ def _saved_tensors(path: FilePath, prefix: str) -> dict[str, Any]:
 
     return {
         key: meta
-        for key, meta in read_index(path).state_dict_metadata.items()
+        for key, meta in check_complete(path).state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
 
@@ -202,19 +193,8 @@ def check_same_network(path: Path, model: torch.nn.Module) -> None:
     }
     # a sharded weight (DTensor) has its full shape, so this holds before and after fully_shard
     here = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    problems = [
-        f"{k} is {list(saved[k])} in the checkpoint, {list(v)} here"
-        for k, v in here.items()
-        if k in saved and saved[k] != v
-    ]
-    problems += [f"{k} is missing from the checkpoint" for k in sorted(here.keys() - saved.keys())]
-    problems += [f"{k} is in the checkpoint only" for k in sorted(saved.keys() - here.keys())]
-    if problems:
-        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise CheckpointLoadError(
-            f"{path} holds a different network from the one configured: {shown}. Build the network the checkpoint "
-            f"was saved from: add --config {path.parent.parent / 'config.yaml'}"
-        )
+    missing, only = sorted(here.keys() - saved.keys()), sorted(saved.keys() - here.keys())
+    check_shapes(path, saved, here, missing, only, f"add --config {path.parent.parent / 'config.yaml'}")
 
 
 def full_state_dict(path: FilePath, prefix: str = "state_dict.") -> dict[str, torch.Tensor]:

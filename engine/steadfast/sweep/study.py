@@ -20,7 +20,7 @@ from unittest import mock
 import optuna
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from steadfast.cli import run_cli
+from steadfast.cli import CLI
 from steadfast.config import entry
 from steadfast.errors import root_cause
 from steadfast.runs import check_save_dir
@@ -123,7 +123,7 @@ def fit_cli(fit: list[str]) -> Any:
     output = io.StringIO()
     try:
         with mock.patch.object(sys, "argv", sys.argv[:1]), redirect_stdout(output), redirect_stderr(output):
-            cli = run_cli(fit, run=False)
+            cli = CLI(args=fit, run=False)
     except SystemExit:
         lines = [line for line in output.getvalue().splitlines() if line.startswith("error:")]
         raise ValueError(f"fit: {lines[-1][7:] if lines else output.getvalue()[-500:]}") from None
