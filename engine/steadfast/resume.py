@@ -309,7 +309,7 @@ class ExactResume(Callback):
             changed = [
                 f"{name} ({saved[:24]} saved, {now[:24]} now)"
                 for name, saved in sorted(values.items())
-                if part is not None and (now := repr(getattr(part, name, None))) != saved
+                if part is not None and (now := _said(getattr(part, name, None))) != saved
             ]
             if changed:
                 keeps = "on_save_checkpoint and on_load_checkpoint" if key == "" else "state_dict and load_state_dict"
@@ -395,13 +395,19 @@ def _users_parts(trainer: L.Trainer) -> dict[str, Any]:
 
 
 def _plain_values(part: Any) -> dict[str, str]:
-    """The ``repr`` of each number, bool or string ``part`` holds as a plain attribute of its own (a count it keeps,
-    a value set at an epoch's start), not one Lightning's or torch's base classes set."""
+    """The ``repr`` of each number, bool, string or small tensor (up to 16 values: a running mean, a count kept on the
+    device) ``part`` holds as a plain attribute of its own, not one Lightning's or torch's base classes set. (A
+    tensor assigned to a module's attribute is plain unless registered as a parameter or buffer.)"""
     return {
-        name: repr(value)
+        name: _said(value)
         for name, value in vars(part).items()
-        if type(value) in (int, float, bool, str) and name not in _BASE_ATTRIBUTES
+        if name not in _BASE_ATTRIBUTES
+        and (type(value) in (int, float, bool, str) or (torch.is_tensor(value) and value.numel() <= 16))
     }
+
+
+def _said(value: Any) -> str:
+    return repr(value.tolist() if torch.is_tensor(value) else value)
 
 
 _BASE_ATTRIBUTES = frozenset(vars(L.LightningModule())) | {"_current_fx_name", "_jit_is_scripting"}
