@@ -307,15 +307,16 @@ class ExactResume(Callback):
         for key, values in sorted(self._saved_values.items()):
             part = parts.get(key)
             changed = [
-                f"{name} ({saved[:24]} saved, {now[:24]} now)"
+                f"{name} ({_short(saved)} saved, {_short(now)} now)"
                 for name, saved in sorted(values.items())
                 if part is not None and (now := _said(getattr(part, name, None))) != saved
             ]
             if changed:
                 keeps = "on_save_checkpoint and on_load_checkpoint" if key == "" else "state_dict and load_state_dict"
                 out.append(
-                    f"{', '.join(changed)} of {type(part).__name__}: a plain attribute, which no checkpoint holds, "
-                    f"differs from the saved run's at this first batch (a count goes on from here; {keeps} keep one)"
+                    f"{', '.join(changed)} of {type(part).__name__}: a plain attribute, in no checkpoint, differs from "
+                    f"the saved run's at this first batch: a count goes on from here ({keeps} keep one); a cache or a "
+                    "clock does not matter"
                 )
         if self._epoch_start_skipped:
             skipped = [type(c).__name__ for c in trainer.callbacks if own_hook(c, "on_train_epoch_start", Callback)]
@@ -386,28 +387,43 @@ def _filled_lists(module: L.LightningModule) -> dict[str, int]:
 
 
 def _users_parts(trainer: L.Trainer) -> dict[str, Any]:
-    """The module (key ``""``) and each callback of the user's own (not Lightning's or the engine's), by state key."""
+    """The module (key ``""``) and each callback of the user's own, by state key: not Lightning's or the engine's (nor
+    a subclass of one), nor one with a ``state_dict``, whose state Lightning restores."""
     parts: dict[str, Any] = {"": trainer.lightning_module}
     for callback in trainer.callbacks:
-        if type(callback).__module__.partition(".")[0] not in ("lightning", "pytorch_lightning", "steadfast"):
-            parts[callback.state_key] = callback
+        bases = [c.__module__.partition(".")[0] for c in type(callback).__mro__ if c not in (Callback, object)]
+        if own_hook(callback, "state_dict", Callback) or any(root in _LIBRARIES for root in bases):
+            continue
+        parts[callback.state_key] = callback
     return parts
 
 
+_LIBRARIES = ("lightning", "pytorch_lightning", "steadfast")
+
+
 def _plain_values(part: Any) -> dict[str, str]:
-    """The ``repr`` of each number, bool, string or small tensor (up to 16 values: a running mean, a count kept on the
-    device) ``part`` holds as a plain attribute of its own, not one Lightning's or torch's base classes set. (A
-    tensor assigned to a module's attribute is plain unless registered as a parameter or buffer.)"""
-    return {
-        name: _said(value)
-        for name, value in vars(part).items()
-        if name not in _BASE_ATTRIBUTES
-        and (type(value) in (int, float, bool, str) or (torch.is_tensor(value) and value.numel() <= 16))
-    }
+    """The ``repr`` of each number, bool or small tensor (up to 16 values: a running mean, a count kept on the device)
+    ``part`` holds as a plain attribute of its own, not one Lightning's or torch's base classes set. (A tensor
+    assigned to a module's attribute is plain unless registered as a parameter or buffer.) Strings are left out: a
+    token or an address a callback holds would go into every checkpoint."""
+    return {name: _said(value) for name, value in vars(part).items() if name not in _BASE_ATTRIBUTES and _plain(value)}
+
+
+def _plain(value: Any) -> bool:
+    if type(value) in (int, float, bool):
+        return True
+    # a DTensor (FSDP2), a meta or sparse tensor has no values to list here
+    return type(value) is torch.Tensor and value.layout == torch.strided and not value.is_meta and value.numel() <= 16
 
 
 def _said(value: Any) -> str:
+    if not _plain(value) and value is not None:
+        return f"a {type(value).__name__}"
     return repr(value.tolist() if torch.is_tensor(value) else value)
+
+
+def _short(said: str) -> str:
+    return said if len(said) <= 40 else said[:39] + "…"
 
 
 _BASE_ATTRIBUTES = frozenset(vars(L.LightningModule())) | {"_current_fx_name", "_jit_is_scripting"}

@@ -48,9 +48,15 @@ class TunersOnceARun(Callback):
                 _start_the_schedules_from(trainer, finder)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        if not self.resuming or not self.batch_size_names:
+        if not self.resuming:
             return
-        shape = (checkpoint.get("callbacks") or {}).get(self.resume.state_key, {}).get("shape")
+        record = (checkpoint.get("callbacks") or {}).get(self.resume.state_key, {})
+        if self.lr_finders:  # the found rate is in the optimizer; the attribute the finder set gets it back too
+            saved = record.get("values", {}).get("", {})
+            for name in ("lr", "learning_rate"):  # where a LearningRateFinder sets it (Lightning's lookup)
+                if name in saved and type(getattr(pl_module, name, None)) is float:
+                    setattr(pl_module, name, float(saved[name]))
+        shape = record.get("shape")
         for name in self.batch_size_names:
             if shape is None:
                 raise ValueError(

@@ -224,7 +224,7 @@ def test_a_count_the_module_keeps_in_a_plain_attribute_is_named_on_a_resume_unle
     ref = torch.load(_last(tmp_path / "reference"), weights_only=True)
     got = torch.load(_last(tmp_path / "resumed"), weights_only=True)
     diff = max_abs_diff(got["state_dict"], ref["state_dict"])
-    named = f"seen (832 saved, 0 now) of {model}: a plain attribute, which no checkpoint holds, differs"
+    named = f"seen (832 saved, 0 now) of {model}: a plain attribute, in no checkpoint, differs"
     if kept:
         assert diff == 0.0 and "seen (" not in start, (diff, start)
     else:  # the precondition: the resumed run really differs

@@ -21,16 +21,22 @@ def _start_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("Run /")]
 
 
-@pytest.mark.parametrize("tuner", TUNERS)
-def test_a_tuners_run_resumes_exactly_with_what_it_found_and_without_searching_again(tuner, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("tuner", "model"),
+    [("LearningRateFinder", []), ("BatchSizeFinder", []),
+     ("LearningRateFinder", ["--model", "tests.fixtures.epoch_start.PlainRate"])],
+    ids=["LearningRateFinder", "BatchSizeFinder", "LearningRateFinder-on-self.lr"],
+)  # fmt: skip
+def test_a_tuners_run_resumes_exactly_with_what_it_found_and_without_searching_again(tuner, model, tmp_path, capsys):
     """The tuner searches at the fit's start (a rate of 5e-4 where the config says 3e-3; a batch of 8 where it says
     64). It saves, trains on and restores a temporary checkpoint, which Lightning then took for the fit's: a fresh
     run's start line was a resume's, and on a resume that restore consumed the checkpoint, so Lightning restored no
     optimizer, schedule or step (3.7e-2 off the uninterrupted run; a BatchSizeFinder's resume was refused in one line
     as another global batch). Now the fresh run says so, and the resume continues with what the search found,
-    without a second search: bit-equal."""
-    flags = [*BASE, *TUNERS[tuner]]
-    cli_in_process("fit", *flags, root=tmp_path / "reference")
+    without a second search: bit-equal. A module's own ``self.lr``, where the finder wrote its rate, has it again on
+    the resume (it had the config's, named as a plain attribute that differs)."""
+    flags = [*BASE, *TUNERS[tuner], *model]
+    reference = cli_in_process("fit", *flags, root=tmp_path / "reference")
     last = crash_in_process(10, *flags, root=tmp_path / "resumed")
     fresh = _start_lines(capsys.readouterr().out)
     assert len(fresh) == 2 and all("(fresh)" in x and "exact resume: yes, also mid-epoch" in x for x in fresh), fresh
@@ -38,8 +44,10 @@ def test_a_tuners_run_resumes_exactly_with_what_it_found_and_without_searching_a
     assert saved["global_step"] == 8
     group = saved["optimizer_states"][0]["param_groups"][0]
     assert (group["initial_lr"] != 3e-3) == (tuner == "LearningRateFinder")  # the search's result is in use
-    cli_in_process("fit", *flags, "--ckpt_path", "last", root=tmp_path / "resumed")
+    resumed = cli_in_process("fit", *flags, "--ckpt_path", "last", root=tmp_path / "resumed")
     (start,) = _start_lines(capsys.readouterr().out)
+    assert "a plain attribute" not in start, start
+    assert getattr(resumed.model, "lr", None) == getattr(reference.model, "lr", None)
     batch = 8 if tuner == "BatchSizeFinder" else 64
     assert f"exact resume: resume verified (epoch 1, batch 2: {batch} samples on 1 rank(s)" in start, start
     assert f"opts out: {tuner}: not run on this resume" in start, start
