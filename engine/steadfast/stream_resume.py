@@ -33,6 +33,8 @@ from steadfast.compat_torch import unstarted_copy
 from steadfast.loaders import in_front_of
 from steadfast.stream_positions import Position, Tagging, loading_its_state
 
+MODES = ("fast_forward", "restart", "as_saved")  # as_saved: another first batch continues (not exact)
+
 
 def saves_its_state(loader: Any) -> bool:
     """Whether Lightning saves ``loader``'s position (or a dataset's) in checkpoints and restores it: it has
@@ -89,7 +91,9 @@ class StreamResume(Callback):
     """
 
     def __init__(self, mode: str = "fast_forward") -> None:
-        self.mode = mode  # run.stream_resume, which its Literal type checks
+        if mode not in MODES:
+            raise ValueError(f"run.stream_resume ({mode!r}) must be one of {', '.join(MODES)}")
+        self.mode = mode
         self.positions: list[Any] = []  # Position, own_positions.OwnPosition or own_orders.OwnOrder
         self.saved: list[list[dict[str, Any]]] | None = None  # every rank's positions, from the checkpoint
         self._checked = False
