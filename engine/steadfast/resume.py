@@ -25,6 +25,7 @@ from steadfast.compat_loops import (
 from steadfast.elastic import GlobalBatch, Shape, epoch_note, has_batch_norm
 from steadfast.module_hooks import own_hook
 from steadfast.next_batch import record, verdict, watch
+from steadfast.plain_state import record_unsaved, unsaved_notes
 from steadfast.sample_seeds import generator_states, set_generator_states
 from steadfast.sharded.strategy import ShardedStrategy
 
@@ -95,9 +96,7 @@ class ExactResume(Callback):
         # set by steadfast.tuners while a fresh fit's tuners save and restore their temporary checkpoint: not a resume
         self.loads_are_a_tuners = False
         self._saved_data_state: Any = None  # the data module's state_dict in the checkpoint
-        self._saved_lists: dict[str, int] = {}  # the module's list attributes filled when it was saved, their lengths
-        # the plain values (a count) of the module ("") and the user's callbacks (by state key) when saved, as repr
-        self._saved_values: dict[str, dict[str, str]] = {}
+        self._unsaved: dict[str, Any] = {}  # the checkpoint's record of state no checkpoint holds (plain_state)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -173,8 +172,7 @@ class ExactResume(Callback):
             # limit_train_batches counts micro-batches: what an epoch was in samples, for a resume on another shape
             more["epoch_samples"] = int(_epoch_samples(trainer, shape))
         if trainer is not None and trainer.lightning_module is not None:
-            more["lists"] = _filled_lists(trainer.lightning_module)
-            more["values"] = {key: _plain_values(part) for key, part in _users_parts(trainer).items()}
+            more.update(record_unsaved(trainer))
         if self.judge is not None:  # what ranks the run's files (steadfast.judge), not parsed back from a state key
             more["judge"] = {"monitor": self.judge.monitor, "mode": self.judge.mode, "state_key": self.judge.state_key}
         trained = {name: m for name, m in self._metrics.items() if name not in self._not_trained}
@@ -224,8 +222,7 @@ class ExactResume(Callback):
         self._next_batch = state_dict.get("next_batch")  # absent from those written before it was recorded
         self._mid_step = state_dict.get("mid_step", 0)
         self._mid_batch = state_dict.get("mid_batch")
-        self._saved_lists = state_dict.get("lists", {})
-        self._saved_values = state_dict.get("values", {})  # absent from those of engine 1.8.0 and before
+        self._unsaved = {key: state_dict[key] for key in ("lists", "values") if key in state_dict}
 
     def verify(self, trainer: L.Trainer) -> tuple[str, str]:
         """``("verified" | "differs" | "unverified", words)`` for the start line: the resumed run's first batch
@@ -295,29 +292,7 @@ class ExactResume(Callback):
             note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, shape)
             out += [note] if note is not None else []
         module = type(pl_module).__name__  # (None in a unit test's call: no hooks of its own)
-        if self._saved_lists and trainer.ckpt_path is not None:
-            lists = ", ".join(f"{name} ({n} items)" for name, n in sorted(self._saved_lists.items()))
-            out.append(
-                f"{lists} of {module}: a list the module filled in training, which no checkpoint holds: what it "
-                "computes from it (an epoch's mean in on_train_epoch_end) covers the batches after this resume; "
-                "self.log(..., on_epoch=True) or a torchmetrics metric keeps such a value"
-            )
-        # A resume of its own: the hooks up to this first batch have run (on_load_checkpoint's, load_state_dict's)
-        parts = _users_parts(trainer) if trainer.ckpt_path is not None else {}
-        for key, values in sorted(self._saved_values.items()):
-            part = parts.get(key)
-            changed = [
-                f"{name} ({_short(saved)} saved, {_short(now)} now)"
-                for name, saved in sorted(values.items())
-                if part is not None and (now := _said(getattr(part, name, None))) != saved
-            ]
-            if changed:
-                keeps = "on_save_checkpoint and on_load_checkpoint" if key == "" else "state_dict and load_state_dict"
-                out.append(
-                    f"{', '.join(changed)} of {type(part).__name__}: a plain attribute, in no checkpoint, differs from "
-                    f"the saved run's at this first batch: a count goes on from here ({keeps} keep one); a cache or a "
-                    "clock does not matter"
-                )
+        out += unsaved_notes(self._unsaved, trainer) if trainer.ckpt_path is not None else []
         if self._epoch_start_skipped:
             skipped = [type(c).__name__ for c in trainer.callbacks if own_hook(c, "on_train_epoch_start", Callback)]
             if skipped:
@@ -375,58 +350,6 @@ class ExactResume(Callback):
             self._logged_to_restore = None
             return
         set_generator_states(ranks[trainer.global_rank])
-
-
-def _filled_lists(module: L.LightningModule) -> dict[str, int]:
-    """The module's own list attributes that hold tensors (Lightning 2's ``self.training_step_outputs``), by length."""
-    return {
-        name: len(value)
-        for name, value in vars(module).items()
-        if isinstance(value, list) and value and all(torch.is_tensor(item) or isinstance(item, dict) for item in value)
-    }
-
-
-def _users_parts(trainer: L.Trainer) -> dict[str, Any]:
-    """The module (key ``""``) and each callback of the user's own, by state key: not Lightning's or the engine's (nor
-    a subclass of one), nor one with a ``state_dict``, whose state Lightning restores."""
-    parts: dict[str, Any] = {"": trainer.lightning_module}
-    for callback in trainer.callbacks:
-        bases = [c.__module__.partition(".")[0] for c in type(callback).__mro__ if c not in (Callback, object)]
-        if own_hook(callback, "state_dict", Callback) or any(root in _LIBRARIES for root in bases):
-            continue
-        parts[callback.state_key] = callback
-    return parts
-
-
-_LIBRARIES = ("lightning", "pytorch_lightning", "steadfast")
-
-
-def _plain_values(part: Any) -> dict[str, str]:
-    """The ``repr`` of each number, bool or small tensor (up to 16 values: a running mean, a count kept on the device)
-    ``part`` holds as a plain attribute of its own, not one Lightning's or torch's base classes set. (A tensor
-    assigned to a module's attribute is plain unless registered as a parameter or buffer.) Strings are left out: a
-    token or an address a callback holds would go into every checkpoint."""
-    return {name: _said(value) for name, value in vars(part).items() if name not in _BASE_ATTRIBUTES and _plain(value)}
-
-
-def _plain(value: Any) -> bool:
-    if type(value) in (int, float, bool):
-        return True
-    # a DTensor (FSDP2), a meta or sparse tensor has no values to list here
-    return type(value) is torch.Tensor and value.layout == torch.strided and not value.is_meta and value.numel() <= 16
-
-
-def _said(value: Any) -> str:
-    if not _plain(value) and value is not None:
-        return f"a {type(value).__name__}"
-    return repr(value.tolist() if torch.is_tensor(value) else value)
-
-
-def _short(said: str) -> str:
-    return said if len(said) <= 40 else said[:39] + "…"
-
-
-_BASE_ATTRIBUTES = frozenset(vars(L.LightningModule())) | {"_current_fx_name", "_jit_is_scripting"}
 
 
 def _data_state_change(saved: Any, trainer: L.Trainer) -> str | None:

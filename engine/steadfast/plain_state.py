@@ -1,0 +1,100 @@
+"""State a checkpoint does not hold: what the module and the user's own callbacks keep in plain attributes. Lightning
+saves parameters, buffers, optimizer and scheduler states and the ``state_dict`` of callbacks that have one; a count
+the module keeps in ``self.seen`` (a warm-up of its own), or a list it fills for an epoch's mean, starts afresh on a
+resume, and the run trains or logs otherwise than the uninterrupted one (1.28e-2 off with a count, measured).
+
+The engine cannot restore them (nothing says what they mean) but it can tell: each checkpoint records them
+(``record_unsaved``), and a resume names, at its first batch, each that differs from the saved run's
+(``unsaved_notes``), so that ``resume verified`` never covers them in silence."""
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from steadfast.module_hooks import own_hook
+
+# Classes whose attributes are their own state to restore (Lightning's callbacks) or set by Lightning (the module's)
+_LIBRARIES = ("lightning", "pytorch_lightning", "steadfast")
+_BASE_ATTRIBUTES = frozenset(vars(L.LightningModule())) | {"_current_fx_name", "_jit_is_scripting"}
+
+
+def record_unsaved(trainer: L.Trainer) -> dict[str, Any]:
+    """For the engine's record in a checkpoint: ``lists``, the module's lists of tensors by length; ``values``, the
+    ``repr`` of the plain values of the module (key ``""``) and of the user's callbacks (by state key)."""
+    module = trainer.lightning_module
+    lists = {
+        name: len(value)
+        for name, value in vars(module).items()
+        if isinstance(value, list) and value and all(torch.is_tensor(item) or isinstance(item, dict) for item in value)
+    }
+    return {"lists": lists, "values": {key: _plain_values(part) for key, part in _users_parts(trainer).items()}}
+
+
+def unsaved_notes(saved: dict[str, Any], trainer: L.Trainer) -> list[str]:
+    """What a resume's start line names of ``saved`` (a checkpoint's ``record_unsaved``; an empty dict from engine
+    1.7.0 and before, lists only from 1.8.0): call it at the first batch, once the hooks up to it have run (the
+    module's ``on_load_checkpoint``, the callbacks' ``load_state_dict``, an epoch start)."""
+    out = []
+    module = type(trainer.lightning_module).__name__
+    if saved.get("lists"):
+        lists = ", ".join(f"{name} ({n} items)" for name, n in sorted(saved["lists"].items()))
+        out.append(
+            f"{lists} of {module}: a list the module filled in training, which no checkpoint holds: what it "
+            "computes from it (an epoch's mean in on_train_epoch_end) covers the batches after this resume; "
+            "self.log(..., on_epoch=True) or a torchmetrics metric keeps such a value"
+        )
+    parts = _users_parts(trainer)
+    for key, values in sorted(saved.get("values", {}).items()):
+        part = parts.get(key)
+        changed = [
+            f"{name} ({_short(was)} saved, {_short(now)} now)"
+            for name, was in sorted(values.items())
+            if part is not None and (now := _said(getattr(part, name, None))) != was
+        ]
+        if changed:
+            keeps = "on_save_checkpoint and on_load_checkpoint" if key == "" else "state_dict and load_state_dict"
+            out.append(
+                f"{', '.join(changed)} of {type(part).__name__}: a plain attribute, in no checkpoint, differs from "
+                f"the saved run's at this first batch: a count goes on from here ({keeps} keep one); a cache or a "
+                "clock does not matter"
+            )
+    return out
+
+
+def _users_parts(trainer: L.Trainer) -> dict[str, Any]:
+    """The module (key ``""``) and each callback of the user's own, by state key: not Lightning's or the engine's (nor
+    a subclass of one), nor one with a ``state_dict``, whose state Lightning restores."""
+    parts: dict[str, Any] = {"": trainer.lightning_module}
+    for callback in trainer.callbacks:
+        roots = [c.__module__.partition(".")[0] for c in type(callback).__mro__ if c not in (Callback, object)]
+        if not own_hook(callback, "state_dict", Callback) and not any(root in _LIBRARIES for root in roots):
+            parts[callback.state_key] = callback
+    return parts
+
+
+def _plain_values(part: Any) -> dict[str, str]:
+    """The ``repr`` of each number, bool or small tensor ``part`` holds as a plain attribute of its own, not one
+    Lightning's or torch's base classes set. (A tensor assigned to a module's attribute is plain unless registered as
+    a parameter or buffer.) Strings are left out: a token or an address a callback holds would go into every
+    checkpoint."""
+    return {name: _said(value) for name, value in vars(part).items() if name not in _BASE_ATTRIBUTES and _plain(value)}
+
+
+def _plain(value: Any) -> bool:
+    if type(value) in (int, float, bool):
+        return True
+    # up to 16 values: a count or a running mean kept on the device; a DTensor (FSDP2), a meta or sparse tensor has
+    # no values to list here
+    return type(value) is torch.Tensor and value.layout == torch.strided and not value.is_meta and value.numel() <= 16
+
+
+def _said(value: Any) -> str:
+    if not _plain(value) and value is not None:
+        return f"a {type(value).__name__}"
+    return repr(value.tolist() if torch.is_tensor(value) else value)
+
+
+def _short(said: str) -> str:
+    return said if len(said) <= 40 else said[:39] + "…"
