@@ -148,9 +148,3 @@ class StopOnNonFinite(Callback):
         if trainer.is_global_zero:
             print(message, file=sys.stderr, flush=True)
         raise SystemExit(1)  # no traceback; Lightning still runs its on_exception hooks and teardown
-
-
-def gradients_finite(optimizer: Any) -> bool:
-    """Whether every gradient of ``optimizer``'s parameters is finite, read on the host at once (a device sync)."""
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    return not grads or bool(torch.isfinite(torch.stack([g.detach().sum(dtype=torch.float32) for g in grads]).sum()))
