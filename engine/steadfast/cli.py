@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
     ProgressBar,
+    SpikeDetection,
     TQDMProgressBar,
 )
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
@@ -21,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from steadfast.checkpoint_files import check_fits
 from steadfast.checkpoint_policy import CheckpointPolicy
-from steadfast.compat import ParsesPlainLightningCheckpoints, cli_section
+from steadfast.compat import ParsesPlainLightningCheckpoints, cli_section, spike_detection_loads_its_state
 from steadfast.config import SaveConfigOnce, base_monitor, entered_here, entry, start_from_class_defaults
 from steadfast.distributed import DestroyProcessGroup
 from steadfast.elastic import GlobalBatch
@@ -246,6 +247,8 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         if config.get("logger") in (False, []) and any(isinstance(c, LearningRateMonitor) for c in callbacks):
             # it refuses a Trainer without a logger; `--trainer.logger false` should not need a second flag
             callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+        for spikes in [c for c in callbacks if isinstance(c, SpikeDetection)]:
+            spike_detection_loads_its_state(spikes)  # Lightning 2.6's own load fails: a resume would end in a traceback
         if self.subcommand == "fit":  # a tuner searches in the run's first fit only
             resuming = self.config["fit"].get("ckpt_path") is not None
             callbacks, not_again = leave_out_on_a_resume(callbacks, resuming, resume)

@@ -222,6 +222,38 @@ def batch_size_finders_attribute(finder: Any) -> str:
     return name
 
 
+def spike_detection_loads_its_state(callback: Any) -> None:
+    """Lightning 2.6's ``SpikeDetection.load_state_dict`` loads its window into ``self.running``, an attribute it does
+    not have (it is ``running_mean``): every resume of a run with one ended in a traceback. Where the class's own load
+    fails so, this instance's load gives it that name for the call; a Lightning whose load works is left alone.
+    Upstream: https://github.com/Lightning-AI/pytorch-lightning/pull/21752"""
+    if not _spike_detections_load_fails():
+        return
+    own_load = callback.load_state_dict
+
+    def load_state_dict(state_dict: dict[str, Any]) -> None:
+        callback.running = callback.running_mean  # the name Lightning's load reads
+        try:
+            own_load(state_dict)
+        finally:
+            del callback.running
+
+    callback.load_state_dict = load_state_dict
+
+
+@functools.cache
+def _spike_detections_load_fails() -> bool:
+    from lightning.pytorch.callbacks import SpikeDetection
+
+    try:
+        SpikeDetection().load_state_dict(SpikeDetection().state_dict())
+    except AttributeError as error:
+        if "running" not in str(error):
+            raise
+        return True
+    return False
+
+
 def datamodule_state_in(checkpoint: dict, datamodule: Any) -> Any:
     """The data module's ``state_dict`` a checkpoint holds (under its class's ``__qualname__``, as
     ``_CheckpointConnector`` saves and restores it), or ``None``."""

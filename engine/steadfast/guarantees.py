@@ -5,7 +5,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, SpikeDetection, StochasticWeightAveraging
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -149,6 +149,8 @@ class Guarantees(Callback):
             )
         if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):  # the user's own
             out.append(SWA)
+        if any(isinstance(callback, SpikeDetection) for callback in trainer.callbacks):
+            out.append(SPIKES)
         if isinstance(trainer.strategy, ModelParallelStrategy) and trainer.world_size > 1:
             out.append("sharded: each rank evaluates a padded share, so a few validation samples count twice")
         out += [
@@ -188,6 +190,14 @@ class Guarantees(Callback):
 SWA = (
     "StochasticWeightAveraging: Lightning's callback starts its SWALR schedule and its average at an epoch's start, "
     "so a resume mid-epoch continues them inexactly (a resume at an epoch's end is exact)"
+)
+
+
+# Its state_dict holds its torchmetrics window without the values (their states are not persistent): measured, the
+# resumed run's window empty, the weights bit-equal.
+SPIKES = (
+    "SpikeDetection: its window of recent losses is in no checkpoint (Lightning saves none of it), so after a resume "
+    "it judges spikes against a window that starts empty"
 )
 
 

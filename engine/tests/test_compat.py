@@ -1466,3 +1466,19 @@ def test_a_checkpoint_holds_the_data_modules_state_under_its_class_qualname(tmp_
     trainer.save_checkpoint(tmp_path / "saved.ckpt")
     saved = torch.load(tmp_path / "saved.ckpt", weights_only=True)
     assert datamodule_state_in(saved, data) == {"stage": 3} and datamodule_state_in(saved, None) is None
+
+
+def test_a_spike_detection_loads_its_own_state_with_the_engines_help():
+    """``compat.spike_detection_loads_its_state``: Lightning 2.6's ``SpikeDetection.load_state_dict`` reads
+    ``self.running`` (PR #21752); with the engine's help an instance loads what another saved, on any Lightning."""
+    from lightning.pytorch.callbacks import SpikeDetection
+
+    from steadfast.compat import spike_detection_loads_its_state
+
+    saved = SpikeDetection(warmup=3)
+    saved.last_val, saved.bad_batches = 0.25, [7]
+    loaded = SpikeDetection()
+    spike_detection_loads_its_state(loaded)
+    loaded.load_state_dict(saved.state_dict())
+    assert (loaded.last_val, loaded.bad_batches, loaded.warmup) == (0.25, [7], 3)
+    assert not hasattr(loaded, "running")  # the name is lent for the call only

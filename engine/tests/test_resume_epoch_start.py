@@ -2,7 +2,7 @@
 ``on_train_epoch_start`` (mid-epoch): a ``GradientAccumulationScheduler``'s accumulation; and at an epoch's start
 after a checkpoint of the previous epoch's last batch end, which was exact already and stays so. And a checkpoint
 saved while a batch was under way (an exception's save: ``OnExceptionCheckpoint``), whose resume cannot be exact
-and says so. Oracle: the uninterrupted run."""
+and says so; Lightning's ``SpikeDetection``, which cannot load its own state. Oracle: the uninterrupted run."""
 
 import pytest
 import torch
@@ -83,6 +83,28 @@ def test_a_checkpoint_saved_while_a_batch_was_under_way_says_so_on_its_resume(tm
     cli_in_process("fit", *flags, "--ckpt_path", str(exc / "on_exception.ckpt"), root=tmp_path)
     start = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Run /")][-1]
     assert "exact resume: no: the checkpoint was saved while training batch 4 of epoch 1 was under way" in start, start
+
+
+@pytest.mark.parametrize(("every", "crash"), [(4, 10), (6, 7)], ids=["mid-epoch", "epoch-end"])
+def test_lightnings_spike_detection_resumes_exactly_and_its_window_left_out_of_the_checkpoint_is_named(
+    every, crash, tmp_path, capsys
+):
+    """Lightning 2.6's ``SpikeDetection`` cannot load its own state (``self.running``, which it lacks): every resume
+    ended in a 35-line ``AttributeError`` traceback, after a start line that promised an exact resume (measured).
+    The engine gives its load the name it reads: the resume is bit-equal, and both start lines name the window of
+    recent losses that Lightning leaves out of the checkpoint."""
+    flags = [*BASE, *saving_every(every), "--trainer.callbacks+=SpikeDetection"]
+    cli_in_process("fit", *flags, root=tmp_path / "reference")
+    crash_in_process(crash, *flags, root=tmp_path / "resumed")
+    capsys.readouterr()
+    cli_in_process("fit", *flags, "--ckpt_path", "last", root=tmp_path / "resumed")
+    start = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Run /")][-1]
+    assert "exact resume: resume verified" in start, start
+    assert "SpikeDetection: its window of recent losses is in no checkpoint" in start, start
+    ref = torch.load(_last(tmp_path / "reference"), weights_only=True)
+    got = torch.load(_last(tmp_path / "resumed"), weights_only=True)
+    assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
+    assert max_abs_diff(got["optimizer_states"], ref["optimizer_states"]) == 0.0
 
 
 def test_the_modules_own_epoch_start_runs_on_a_resume_inside_an_epoch_and_a_callbacks_is_named(tmp_path, capsys):
