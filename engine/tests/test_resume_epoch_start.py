@@ -10,6 +10,8 @@ import torch
 from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, RUN_NAME, cli, cli_in_process, crash_in_process, max_abs_diff, run_dirs
 
+pytestmark = pytest.mark.slow  # each test fits three times (the reference, the crash, the resume)
+
 BASE = [*QUIET, "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "1",
         "--model.warmup", "1"]  # fmt: skip
 SCHEDULED = [

@@ -6,6 +6,8 @@ import torch
 
 from tests.helpers import QUIET, RUN_NAME, cli_in_process, crash_in_process, max_abs_diff
 
+pytestmark = pytest.mark.slow  # each test fits three times (the reference, the crash, the resume)
+
 BASE = [*QUIET, "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "1",
         "--model.warmup", "1", "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
         "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
