@@ -78,6 +78,7 @@ def test_each_format_gives_the_lightning_models_outputs_for_batches_of_1_and_7(e
         assert delta <= 1e-5, f"{name} {fmt} batch {batch} (input seed {seed}): max |delta| {delta}"
 
 
+@pytest.mark.slow  # a subprocess: a fresh interpreter, where unpickling fails, is the point
 def test_safetensors_carry_the_module_recipe_and_load_with_no_pickle_as_an_ordinary_file(exported):
     name, _, paths = exported
     with safe_open(str(paths["safetensors"]), framework="pt") as f:
