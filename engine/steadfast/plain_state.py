@@ -7,6 +7,9 @@ The engine cannot restore them (nothing says what they mean) but it can tell: ea
 (``record_unsaved``), and a resume names, at its first batch, each that differs from the saved run's
 (``unsaved_notes``), so that ``resume verified`` never covers them in silence."""
 
+import functools
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -22,14 +25,16 @@ _BASE_ATTRIBUTES = frozenset(vars(L.LightningModule())) | {"_current_fx_name", "
 
 def record_unsaved(trainer: L.Trainer) -> dict[str, Any]:
     """For the engine's record in a checkpoint: ``lists``, the module's lists of tensors by length; ``values``, the
-    ``repr`` of the plain values of the module (key ``""``) and of the user's callbacks (by state key)."""
+    ``repr`` of the plain values of the module (key ``""``), of its submodules of the user's own classes (``self.``
+    and their names) and of the user's callbacks (by state key)."""
     module = trainer.lightning_module
     lists = {
         name: len(value)
         for name, value in vars(module).items()
         if isinstance(value, list) and value and all(torch.is_tensor(item) or isinstance(item, dict) for item in value)
     }
-    return {"lists": lists, "values": {key: _plain_values(part) for key, part in _users_parts(trainer).items()}}
+    values = {key: said for key, part in _users_parts(trainer).items() if (said := _plain_values(part)) or not key}
+    return {"lists": lists, "values": values}
 
 
 def unsaved_notes(saved: dict[str, Any], trainer: L.Trainer) -> list[str]:
@@ -54,9 +59,12 @@ def unsaved_notes(saved: dict[str, Any], trainer: L.Trainer) -> list[str]:
             if part is not None and (now := _said(getattr(part, name, None))) != was
         ]
         if changed:
-            keeps = "on_save_checkpoint and on_load_checkpoint" if key == "" else "state_dict and load_state_dict"
+            keeps = {"": "on_save_checkpoint and on_load_checkpoint", "self.": "a buffer (register_buffer)"}.get(
+                key[:5], "state_dict and load_state_dict"
+            )
+            whose = f"{key} ({type(part).__name__})" if key.startswith("self.") else type(part).__name__
             out.append(
-                f"{', '.join(changed)} of {type(part).__name__}: a plain attribute, in no checkpoint, differs from "
+                f"{', '.join(changed)} of {whose}: a plain attribute, in no checkpoint, differs from "
                 f"the saved run's at this first batch: a count goes on from here ({keeps} keep one); a cache or a "
                 "clock does not matter"
             )
@@ -64,14 +72,28 @@ def unsaved_notes(saved: dict[str, Any], trainer: L.Trainer) -> list[str]:
 
 
 def _users_parts(trainer: L.Trainer) -> dict[str, Any]:
-    """The module (key ``""``) and each callback of the user's own, by state key: not Lightning's or the engine's (nor
-    a subclass of one), nor one with a ``state_dict``, whose state Lightning restores."""
+    """The module (key ``""``); its submodules whose class is (or derives from) one of the user's own, by
+    ``self.`` and their names (a net's count of its calls; torch's and other libraries' layers hold settings); and each
+    callback of the user's own, by state key: not Lightning's or the engine's (nor a subclass of one), nor one with a
+    ``state_dict``, whose state Lightning restores."""
     parts: dict[str, Any] = {"": trainer.lightning_module}
+    for name, submodule in trainer.lightning_module.named_modules():
+        if name and any(_users_own(c) for c in type(submodule).__mro__):
+            parts[f"self.{name}"] = submodule
     for callback in trainer.callbacks:
         roots = [c.__module__.partition(".")[0] for c in type(callback).__mro__ if c not in (Callback, object)]
         if not own_hook(callback, "state_dict", Callback) and not any(root in _LIBRARIES for root in roots):
             parts[callback.state_key] = callback
     return parts
+
+
+@functools.cache
+def _users_own(cls: type) -> bool:
+    """Whether ``cls`` is written in the user's code: not in an installed distribution (``site-packages``: torch,
+    timm, a wrapper class FSDP2 makes), nor Lightning's or the engine's."""
+    where = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
+    installed = {"site-packages", "dist-packages"} & set(Path(where).parts)
+    return bool(where) and not installed and cls.__module__.partition(".")[0] not in _LIBRARIES
 
 
 def _plain_values(part: Any) -> dict[str, str]:
