@@ -59,7 +59,8 @@ def checkpoints_newest_first(folder: Path, *patterns: str) -> list[Path]:
 
 # Where a run's checkpoints are: ModelCheckpoint's folder, and the run folder itself for Lightning's SLURM
 # checkpoint (hpc_ckpt_N.ckpt, written into default_root_dir when SIGUSR1 announces the time limit).
-RUN_CHECKPOINTS = ("*/checkpoints/*.ckpt", "*/hpc_ckpt_*.ckpt")
+IN_A_RUN = ("checkpoints/*.ckpt", "hpc_ckpt_*.ckpt")
+RUN_CHECKPOINTS = tuple(f"*/{pattern}" for pattern in IN_A_RUN)
 
 
 def run_of(checkpoint: Path) -> Path:
@@ -67,15 +68,16 @@ def run_of(checkpoint: Path) -> Path:
     return parent.parent if parent.name == "checkpoints" else parent
 
 
-def find_last_checkpoint(family: Path) -> tuple[Path, int] | None:
-    """The most recently written checkpoint of any run under ``family`` that loads, and its global step.
+def find_last_checkpoint(family: Path, patterns: tuple[str, ...] = RUN_CHECKPOINTS) -> tuple[Path, int] | None:
+    """The most recently written checkpoint of any run under ``family`` that loads (of one run folder with
+    ``IN_A_RUN``), and its global step.
 
     Rank 0 says in one line each file it passes over and why (a printed line, not a warning, which
     ``PYTHONWARNINGS=ignore`` would hide): a link to nothing, a file that does not load; the caller names the one
     taken."""
-    for link in (p for pattern in RUN_CHECKPOINTS for p in family.glob(pattern) if p.is_symlink() and not p.exists()):
+    for link in (p for pattern in patterns for p in family.glob(pattern) if p.is_symlink() and not p.exists()):
         rank_zero_info(f"Skipping a link to nothing: {link} -> {os.readlink(link)}")
-    for path in checkpoints_newest_first(family, *RUN_CHECKPOINTS):
+    for path in checkpoints_newest_first(family, *patterns):
         try:
             return path, read_global_step(path)
         except ResumeError as error:
@@ -107,7 +109,7 @@ def find_best_checkpoint(name: str, family: Path) -> Path:
             f"top-k checkpoint(s) of {run_dir})"
         )
         return scored.path
-    in_run = checkpoints_newest_first(run_dir, "checkpoints/*.ckpt", "hpc_ckpt_*.ckpt")
+    in_run = checkpoints_newest_first(run_dir, *IN_A_RUN)
     newest = next((p for p in in_run if is_loadable(p)), None)
     if newest is None:
         raise ResumeError(

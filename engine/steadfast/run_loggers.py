@@ -92,10 +92,12 @@ def keep_csv_history(plan: RunPlan, loggers: list[Any]) -> None:
 
 
 def write_record(run_dir: Path, loggers: list[Any]) -> None:
-    """``run.json``: the ids a resume needs to continue the same MLflow/W&B run (atomically replaced)."""
+    """``run.json``: the ids a resume needs to continue the same MLflow/W&B run, and the SLURM job's, whose requeue
+    continues the run (``runs.requeued_jobs_checkpoint``); atomically replaced."""
     from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    record: dict[str, Any] = {}
+    record: dict[str, Any] = {"slurm_job_id": os.environ["SLURM_JOB_ID"]} if SLURMEnvironment.detect() else {}
     for logger in loggers:
         if isinstance(logger, MLFlowLogger) and logger.run_id:
             record["mlflow_run_id"] = logger.run_id

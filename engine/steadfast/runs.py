@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jsonargparse import Namespace
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from steadfast.config import entry
 from steadfast.run_checkpoints import (
+    IN_A_RUN,
     ResumeError,
     checkpoints_newest_first,
     find_best_checkpoint,
@@ -202,6 +204,30 @@ def claim_next_version(family: Path) -> Path:
         return path
 
 
+def requeued_jobs_checkpoint(family: Path) -> tuple[Path, int] | None:
+    """Under SLURM, a requeued job's (``SLURM_RESTART_COUNT`` 1 or more) run in ``family``: its newest loadable
+    checkpoint and global step, or ``None``. Lightning's auto-requeue (SIGUSR1: an ``hpc_ckpt``, then ``scontrol
+    requeue``) reruns the job's command as it was, and Lightning alone resumes it from the ``hpc_ckpt`` in its
+    ``default_root_dir``: here a new run folder, so without ``--ckpt_path`` the job would train from scratch. Its run
+    is the newest whose ``run.json`` names the job (``run_loggers.write_record``); a node failure's requeue, with no
+    ``hpc_ckpt``, continues from the run's newest checkpoint too."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not (SLURMEnvironment.detect() and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0):
+        return None
+    runs = sorted(family.glob("version_*"), key=lambda p: int(p.name[8:]) if p.name[8:].isdigit() else -1)
+    for run_dir in reversed(runs):
+        record = run_dir / RUN_RECORD
+        if record.is_file() and json.loads(record.read_text()).get("slurm_job_id") == job:
+            found = find_last_checkpoint(run_dir, IN_A_RUN)
+            if found is not None:
+                rank_zero_info(
+                    f"SLURM job {job}, requeued: resuming its run from {found[0]} (global step {found[1]}), as "
+                    "Lightning's auto-requeue does"
+                )
+            return found
+    return None
+
+
 def check_save_dir(family: Path) -> None:
     """Raises ``ValueError`` before anything runs if the runs folder cannot become a writable folder.
 
@@ -229,15 +255,20 @@ def plan_run(config: Namespace, subcommand: str, fixed: dict[str, str] | None = 
     if isinstance(config.get("run"), Namespace):  # the run's config.yaml names its family's root, however given
         config["run"]["root"] = str(family.parent)
     ckpt_path = config.get("ckpt_path")
-    if ckpt_path is None or ckpt_path in ("hpc", "registry"):
+    requeued = requeued_jobs_checkpoint(family) if ckpt_path is None and subcommand == "fit" else None
+    if requeued is not None:
+        path, global_step = requeued
+        config["ckpt_path"] = str(path)
+        continues = True
+    elif ckpt_path is None or ckpt_path in ("hpc", "registry"):
         return new_version(family)
-    if ckpt_path == "best" or (Path(ckpt_path).is_dir() and not is_checkpoint_folder(Path(ckpt_path))):
+    elif ckpt_path == "best" or (Path(ckpt_path).is_dir() and not is_checkpoint_folder(Path(ckpt_path))):
         path = find_best_checkpoint(ckpt_path, family)
         config["ckpt_path"] = str(path)
         # a new version even for fit: starting from a run's best is a branch, the run itself is never written into
         global_step = read_global_step(path)
         return new_version(family, resumed_from=path, global_step=global_step)
-    if ckpt_path == "last":
+    elif ckpt_path == "last":
         found = find_last_checkpoint(family)
         if found is None and subcommand != "fit":  # evaluating random weights is never what was asked for
             raise ResumeError(

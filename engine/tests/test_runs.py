@@ -91,3 +91,67 @@ def test_last_with_no_checkpoint_starts_a_new_version(tmp_path):
     cfg = config(tmp_path, "last")
     assert plan_run(cfg, "fit").dir == tmp_path / RUN_NAME / "version_5"
     assert cfg.ckpt_path is None
+
+
+def slurm_job(monkeypatch, job: str, restarts: int | None) -> None:
+    """A one-task SLURM job's environment in this process (``SLURM_RESTART_COUNT`` set once SLURM requeued it)."""
+    for name, value in {"SLURM_JOB_ID": job, "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "1", "SLURM_NNODES": "1",
+                        "SLURM_NODELIST": "127.0.0.1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                        "SLURM_NODEID": "0"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    if restarts is None:
+        monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restarts))
+
+
+def test_a_requeued_slurm_job_without_ckpt_path_continues_its_own_run_as_lightnings_auto_requeue_does(
+    tmp_path, monkeypatch
+):
+    """Lightning's auto-requeue reruns the job's command as it was, without ``--ckpt_path``: the job's run (the newest
+    whose run.json names the job) continues from its newest checkpoint; not another job's newer run, and not on the
+    job's first start."""
+    family = tmp_path / RUN_NAME
+    save(family / "version_0" / "checkpoints" / "last.ckpt", 10, 1000)
+    save(family / "version_0" / "hpc_ckpt_1.ckpt", 12, 2000)
+    (family / "version_0" / "run.json").write_text('{"slurm_job_id": "4242"}')
+    save(family / "version_1" / "checkpoints" / "last.ckpt", 30, 3000)  # a newer run of another job
+    (family / "version_1" / "run.json").write_text('{"slurm_job_id": "777"}')
+    slurm_job(monkeypatch, "4242", 1)
+    cfg = config(tmp_path)
+    plan = plan_run(cfg, "fit")
+    assert cfg.ckpt_path == str(family / "version_0" / "hpc_ckpt_1.ckpt")
+    assert (plan.dir, plan.continues, plan.global_step) == (family / "version_0", True, 12)
+    assert plan_run(config(tmp_path), "validate").dir == family / "version_2"  # only fit continues a run
+    for job, restarts, version in [("4242", None, 3), ("5000", 1, 4)]:  # the job's first start; a requeued job with
+        slurm_job(monkeypatch, job, restarts)  # no run here yet: each a fresh run
+        cfg = config(tmp_path)
+        assert plan_run(cfg, "fit").dir == family / f"version_{version}" and cfg.ckpt_path is None
+
+
+@pytest.mark.slow
+def test_a_slurm_job_lightning_requeues_trains_on_bit_equal_in_the_same_run_with_its_command_unchanged(
+    tmp_path, monkeypatch, capsys
+):
+    """The job crashes at step 16 (a checkpoint every 13 steps) and SLURM requeues it: the same command, without
+    ``--ckpt_path``, continues version_0 and ends bit-equal to the uninterrupted run. Before, the requeued job started
+    a fresh version_1 from scratch, saying nothing."""
+    from tests.helpers import QUIET, cli_in_process, crash_in_process, max_abs_diff
+
+    flags = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches",
+             "1", "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=13",
+             "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true"]  # fmt: skip
+    cli_in_process("fit", *flags, root=tmp_path / "reference")
+    slurm_job(monkeypatch, "4242", None)
+    crash_in_process(16, *flags, root=tmp_path / "job")
+    slurm_job(monkeypatch, "4242", 1)
+    capsys.readouterr()
+    cli_in_process("fit", *flags, root=tmp_path / "job")
+    out = capsys.readouterr().out
+    run = tmp_path / "job" / RUN_NAME / "version_0"
+    assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"], out[-3000:]
+    assert f"(continues from step 13 of {run}/checkpoints/last.ckpt)" in out, out[-3000:]
+    ref = torch.load(tmp_path / "reference" / RUN_NAME / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    got = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert (got["global_step"], ref["global_step"]) == (18, 18)
+    assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
