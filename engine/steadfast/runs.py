@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from steadfast.config import entry
 from steadfast.run_checkpoints import (
     IN_A_RUN,
+    RUN_CHECKPOINTS,
     ResumeError,
     checkpoints_newest_first,
     find_best_checkpoint,
@@ -260,7 +261,7 @@ def plan_run(config: Namespace, subcommand: str, fixed: dict[str, str] | None = 
         path, global_step = requeued
         config["ckpt_path"] = str(path)
         continues = True
-    elif ckpt_path is None or ckpt_path in ("hpc", "registry"):
+    elif ckpt_path is None or ckpt_path == "registry":
         return new_version(family)
     elif ckpt_path == "best" or (Path(ckpt_path).is_dir() and not is_checkpoint_folder(Path(ckpt_path))):
         path = find_best_checkpoint(ckpt_path, family)
@@ -268,11 +269,13 @@ def plan_run(config: Namespace, subcommand: str, fixed: dict[str, str] | None = 
         # a new version even for fit: starting from a run's best is a branch, the run itself is never written into
         global_step = read_global_step(path)
         return new_version(family, resumed_from=path, global_step=global_step)
-    elif ckpt_path == "last":
-        found = find_last_checkpoint(family)
-        if found is None and subcommand != "fit":  # evaluating random weights is never what was asked for
+    elif ckpt_path in ("last", "hpc"):  # hpc: Lightning's SLURM checkpoint, the newest of any run here
+        found = find_last_checkpoint(family, RUN_CHECKPOINTS if ckpt_path == "last" else RUN_CHECKPOINTS[1:])
+        # evaluating random weights is never what was asked for, nor (Lightning says so too) a fresh fit for hpc
+        if found is None and (subcommand != "fit" or ckpt_path == "hpc"):
+            what = "checkpoint" if ckpt_path == "last" else "hpc_ckpt_N.ckpt (SIGUSR1's under SLURM)"
             raise ResumeError(
-                f"--ckpt_path last: no checkpoint under {family}/*/ to {subcommand}. Train one first "
+                f"--ckpt_path {ckpt_path}: no {what} under {family}/*/ to {subcommand}. Train one first "
                 f"({entry().command} fit), or give a .ckpt file."
             )
         if found is None:
@@ -281,7 +284,7 @@ def plan_run(config: Namespace, subcommand: str, fixed: dict[str, str] | None = 
             return new_version(family)
         path, global_step = found
         if subcommand == "fit":  # an evaluation's start line names the checkpoint (steadfast.guarantees)
-            rank_zero_info(f"--ckpt_path last: resuming from {path} (global step {global_step})")
+            rank_zero_info(f"--ckpt_path {ckpt_path}: resuming from {path} (global step {global_step})")
         config["ckpt_path"] = str(path)
         continues = True
     else:

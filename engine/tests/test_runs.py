@@ -7,6 +7,7 @@ import pytest
 import torch
 from jsonargparse import Namespace
 
+from steadfast.run_checkpoints import ResumeError
 from steadfast.runs import default_name, family_dir, plan_run
 from tests.helpers import RUN_NAME, cli
 
@@ -84,6 +85,20 @@ def test_last_is_the_newest_checkpoint_of_any_run_slurms_included_and_fit_contin
     save(family / "version_1" / "checkpoints" / "best.ckpt", 15, 4000)
     plan = plan_run(config(tmp_path, str(family / "version_1" / "checkpoints" / "best.ckpt")), "fit")
     assert (plan.dir, plan.continues) == (family / "version_3", False)  # version_2 is the validate's: claimed
+
+
+def test_hpc_is_the_newest_slurm_checkpoint_of_any_run_and_fit_continues_its_run(tmp_path):
+    """Lightning's ``ckpt_path="hpc"`` looks in ``default_root_dir``, which is a new run folder here: it always
+    failed. It is the newest ``hpc_ckpt_N.ckpt`` of the runs (not a newer ``last.ckpt``), or a one-line error."""
+    family = tmp_path / RUN_NAME
+    with pytest.raises(ResumeError, match=r"^--ckpt_path hpc: no hpc_ckpt_N.ckpt \(SIGUSR1's under SLURM\) under "):
+        plan_run(config(tmp_path, "hpc"), "fit")
+    save(family / "version_0" / "hpc_ckpt_2.ckpt", 12, 1000)
+    save(family / "version_1" / "checkpoints" / "last.ckpt", 30, 2000)
+    cfg = config(tmp_path, "hpc")
+    plan = plan_run(cfg, "fit")
+    assert cfg.ckpt_path == str(family / "version_0" / "hpc_ckpt_2.ckpt")
+    assert (plan.dir, plan.continues, plan.global_step) == (family / "version_0", True, 12)
 
 
 def test_last_with_no_checkpoint_starts_a_new_version(tmp_path):
