@@ -15,6 +15,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from torchmetrics import Metric
 
 from steadfast.module_hooks import own_hook
 
@@ -51,6 +52,7 @@ def unsaved_notes(saved: dict[str, Any], trainer: L.Trainer) -> list[str]:
             "self.log(..., on_epoch=True) or a torchmetrics metric keeps such a value"
         )
     parts = _users_parts(trainer)
+    alike: dict[tuple[str, str], list[str]] = {}  # the same change in layers of one class (24 blocks) said once
     for key, values in sorted(saved.get("values", {}).items()):
         part = parts.get(key)
         changed = [
@@ -59,15 +61,21 @@ def unsaved_notes(saved: dict[str, Any], trainer: L.Trainer) -> list[str]:
             if part is not None and (now := _said(getattr(part, name, None))) != was
         ]
         if changed:
-            keeps = {"": "on_save_checkpoint and on_load_checkpoint", "self.": "a buffer (register_buffer)"}.get(
-                key[:5], "state_dict and load_state_dict"
-            )
-            whose = f"{key} ({type(part).__name__})" if key.startswith("self.") else type(part).__name__
-            out.append(
-                f"{', '.join(changed)} of {whose}: a plain attribute, in no checkpoint, differs from "
-                f"the saved run's at this first batch: a count goes on from here ({keeps} keep one); a cache or a "
-                "clock does not matter"
-            )
+            submodule = key.startswith("self.")
+            alike.setdefault((", ".join(changed), type(part).__name__ if submodule else key), []).append(key)
+    for (changed, _), keys in alike.items():
+        part, key = parts[keys[0]], keys[0]
+        keeps = "state_dict and load_state_dict keep"  # a callback's
+        whose = type(part).__name__
+        if key == "":
+            keeps = "on_save_checkpoint and on_load_checkpoint keep"
+        elif key.startswith("self."):
+            keeps = "a buffer (register_buffer) keeps"
+            whose = f"{key}{f' and {len(keys) - 1} more' if len(keys) > 1 else ''} ({whose})"
+        out.append(
+            f"{changed} of {whose}: a plain attribute, in no checkpoint, differs from the saved run's at this first "
+            f"batch: a count goes on from here ({keeps} one); a cache or a clock does not matter"
+        )
     return out
 
 
@@ -78,7 +86,9 @@ def _users_parts(trainer: L.Trainer) -> dict[str, Any]:
     ``state_dict``, whose state Lightning restores."""
     parts: dict[str, Any] = {"": trainer.lightning_module}
     for name, submodule in trainer.lightning_module.named_modules():
-        if name and any(_users_own(c) for c in type(submodule).__mro__):
+        # a torchmetrics Metric's states the engine keeps itself (steadfast.resume); its own counters are internals
+        classes = [c for c in type(submodule).__mro__ if issubclass(c, torch.nn.Module)]  # not abc.ABC, Generic
+        if name and not isinstance(submodule, Metric) and any(map(_users_own, classes)):
             parts[f"self.{name}"] = submodule
     for callback in trainer.callbacks:
         roots = [c.__module__.partition(".")[0] for c in type(callback).__mro__ if c not in (Callback, object)]

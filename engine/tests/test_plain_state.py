@@ -1,0 +1,62 @@
+"""Which parts of a module the plain-value record covers (``steadfast.plain_state``), without a fit: the run-level
+behaviour (a count named at a resume, with both values) is in ``test_resume_epoch_start``."""
+
+from types import SimpleNamespace
+
+import lightning as L
+import torch
+from torch.ao.quantization import FakeQuantize
+from torchmetrics import Metric
+
+from steadfast.plain_state import record_unsaved, unsaved_notes
+from tests.fixtures.epoch_start import SampleWarmup
+
+
+class Hits(Metric):
+    """A metric of the user's own: its states are plain tensor attributes, kept by the engine's metric restore, and
+    torchmetrics' own counters (``_update_count``) change with every update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("hits", default=torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, value: torch.Tensor) -> None:
+        self.hits += value
+
+    def compute(self) -> torch.Tensor:
+        return self.hits
+
+
+class Parts(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+        self.warmup = SampleWarmup()
+        self.hits = Hits()
+        self.layer = torch.nn.Linear(2, 2)  # torch's: settings (in_features), not recorded
+        self.quantize = FakeQuantize()  # torch's too, though abc.ABC, which is in no site-packages, is among its bases
+        self.blocks = torch.nn.ModuleList([SampleWarmup() for _ in range(3)])
+
+
+def test_the_record_covers_the_module_and_its_submodules_of_ones_own_not_torchs_layers_nor_metrics():
+    module = Parts()
+    trainer = SimpleNamespace(lightning_module=module, callbacks=[])
+    module.steps, module.warmup.seen = 3, 96
+    for block in module.blocks:
+        block.seen = 64
+    module.hits.update(torch.tensor(5))
+    saved = record_unsaved(trainer)
+    blocks = {f"self.blocks.{i}": {"seen": "64"} for i in range(3)}
+    assert saved["values"] == {"": {"steps": "3"}, "self.warmup": {"seen": "96"}, **blocks}
+    fresh = Parts()  # a resume's module: every count afresh
+    notes = unsaved_notes(saved, SimpleNamespace(lightning_module=fresh, callbacks=[]))
+    assert [note.split(":")[0] for note in notes] == [
+        "steps (3 saved, 0 now) of Parts",
+        "seen (64 saved, 0 now) of self.blocks.0 and 2 more (SampleWarmup)",  # the same change in each: said once
+        "seen (96 saved, 0 now) of self.warmup (SampleWarmup)",
+    ]
+    assert "a buffer (register_buffer) keeps one" in notes[1]
+    fresh.steps, fresh.warmup.seen = 3, 96
+    for block in fresh.blocks:
+        block.seen = 64
+    assert unsaved_notes(saved, SimpleNamespace(lightning_module=fresh, callbacks=[])) == []
