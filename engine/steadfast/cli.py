@@ -155,8 +155,10 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         if subcommand:
+            # as filled in above, which a DDP rank re-running them fills in alike
+            command = [str(arg) for arg in (sys.argv[1:] if args is None else args if isinstance(args, list) else [])]
             try:
-                self.run_plan = plan_run(self.config[subcommand], subcommand, self._fixed_classes())
+                self.run_plan = plan_run(self.config[subcommand], subcommand, self._fixed_classes(), command)
                 if self.run_plan.continues and rank_zero_only.rank == 0:
                     self.folder_before = FolderBefore.take(self.run_plan.dir)
                 self.unknown_loggers = point_loggers_at(self.run_plan, self.config[subcommand]["trainer"])

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import DummyLogger
@@ -16,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from steadfast.compat_logging import continue_evaluation_logging_steps, evaluation_logging_steps
 from steadfast.compat_loops import logging_step
 from steadfast.loggers import StepGate
-from steadfast.run_checkpoints import EVALUATION_LOGGING_STEPS, NEXT_LOGGING_STEP
+from steadfast.run_checkpoints import EVALUATION_LOGGING_STEPS, NEXT_LOGGING_STEP, ResumeError
 from steadfast.run_loggers import write_record
 from steadfast.runs import RunPlan
 
@@ -44,6 +45,15 @@ class RunFolder(Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.dir = Path(trainer.strategy.broadcast(str(self.plan.dir)))
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            # Each rank resolved --ckpt_path (last, hpc, a SLURM requeue's) from what its file system showed it
+            every: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(every, str(self.plan.resumed_from))
+            if len(set(every)) > 1:
+                raise ResumeError(
+                    f"The ranks found different checkpoints to start from ({', '.join(sorted(set(every)))}): their "
+                    "file systems do not show the same files yet. Give one with --ckpt_path FILE."
+                )
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(self.dir / "checkpoints")
@@ -59,7 +69,7 @@ class RunFolder(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero and not trainer.fast_dev_run:  # which writes nothing, as Lightning documents
-            write_record(self.dir, trainer.loggers)
+            write_record(self.dir, trainer.loggers, self.plan.job)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         # Which logged steps the checkpoint covers: the resumed run logs from the next one on. Loggers get

@@ -91,13 +91,13 @@ def keep_csv_history(plan: RunPlan, loggers: list[Any]) -> None:
             set_csv_columns(writer, list(rows[0]))
 
 
-def write_record(run_dir: Path, loggers: list[Any]) -> None:
-    """``run.json``: the ids a resume needs to continue the same MLflow/W&B run, and the SLURM job's, whose requeue
-    continues the run (``runs.requeued_jobs_checkpoint``); atomically replaced."""
+def write_record(run_dir: Path, loggers: list[Any], job: dict[str, Any]) -> None:
+    """``run.json``: the ids a resume needs to continue the same MLflow/W&B run, and the SLURM ``job``'s, whose requeue
+    continues the run (``runs.jobs_runs``); replaced atomically, on the disk before it is renamed (a requeue follows
+    a node's failure)."""
     from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
-    from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    record: dict[str, Any] = {"slurm_job_id": os.environ["SLURM_JOB_ID"]} if SLURMEnvironment.detect() else {}
+    record: dict[str, Any] = dict(job)
     for logger in loggers:
         if isinstance(logger, MLFlowLogger) and logger.run_id:
             record["mlflow_run_id"] = logger.run_id
@@ -105,5 +105,8 @@ def write_record(run_dir: Path, loggers: list[Any]) -> None:
             record["wandb_id"] = logger.experiment.id
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f"{RUN_RECORD}.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    with tmp.open("w") as f:
+        f.write(json.dumps(record, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, run_dir / RUN_RECORD)

@@ -120,6 +120,7 @@ class RunPlan:
     global_step: int | None = None
     record: dict[str, Any] = field(default_factory=dict)  # run.json of the continued run
     log_step: int | None = None  # the loggers' step the continued run starts at (read_positions)
+    job: dict[str, Any] = field(default_factory=dict)  # run.json's record of the SLURM job (slurm_job)
     made: tuple[Path, ...] = ()  # the folders above dir that planning it created (run.root, the run family)
 
     @property
@@ -205,28 +206,48 @@ def claim_next_version(family: Path) -> Path:
         return path
 
 
-def requeued_jobs_checkpoint(family: Path) -> tuple[Path, int] | None:
-    """Under SLURM, a requeued job's (``SLURM_RESTART_COUNT`` 1 or more) run in ``family``: its newest loadable
-    checkpoint and global step, or ``None``. Lightning's auto-requeue (SIGUSR1: an ``hpc_ckpt``, then ``scontrol
-    requeue``) reruns the job's command as it was, and Lightning alone resumes it from the ``hpc_ckpt`` in its
-    ``default_root_dir``: here a new run folder, so without ``--ckpt_path`` the job would train from scratch. Its run
-    is the newest whose ``run.json`` names the job (``run_loggers.write_record``); a node failure's requeue, with no
-    ``hpc_ckpt``, continues from the run's newest checkpoint too."""
+def slurm_job(command: list[str]) -> dict[str, Any]:
+    """What ``run.json`` records of a SLURM batch job (``{}`` outside one): its id and the command that started the
+    run, for its requeue to find the run again (``jobs_runs``)."""
     job = os.environ.get("SLURM_JOB_ID")
-    if not (SLURMEnvironment.detect() and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0):
-        return None
+    return {"slurm_job_id": job, "command": command} if job and SLURMEnvironment.detect() else {}
+
+
+def jobs_runs(family: Path, command: list[str]) -> list[Path]:
+    """The runs in ``family`` this SLURM job started with this command, newest first. Lightning's auto-requeue
+    (SIGUSR1: an ``hpc_ckpt``, then ``scontrol requeue``) reruns the job's command as it was, and Lightning resumes it
+    from the ``hpc_ckpt`` in ``default_root_dir``: a new run folder here. The command tells apart the fits of a job
+    that runs several (a loop over seeds). A ``run.json`` that does not read is passed over, and said."""
+    job = slurm_job(command)
+    if not job:
+        return []
     runs = sorted(family.glob("version_*"), key=lambda p: int(p.name[8:]) if p.name[8:].isdigit() else -1)
+    mine = []
     for run_dir in reversed(runs):
-        record = run_dir / RUN_RECORD
-        if record.is_file() and json.loads(record.read_text()).get("slurm_job_id") == job:
-            found = find_last_checkpoint(run_dir, IN_A_RUN)
-            if found is not None:
-                rank_zero_info(
-                    f"SLURM job {job}, requeued: resuming its run from {found[0]} (global step {found[1]}), as "
-                    "Lightning's auto-requeue does"
-                )
-            return found
-    return None
+        try:
+            record = json.loads((run_dir / RUN_RECORD).read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as error:  # a node that failed while writing it
+            rank_zero_info(f"Skipping {run_dir / RUN_RECORD}, which does not read: {error}")
+            continue
+        if isinstance(record, dict) and all(record.get(key) == value for key, value in job.items()):
+            mine.append(run_dir)
+    return mine
+
+
+def requeued_jobs_checkpoint(family: Path, command: list[str]) -> tuple[Path, int] | None:
+    """A requeued SLURM job's (``SLURM_RESTART_COUNT`` 1 or more) newest run of this command, when it has a loadable
+    checkpoint: that file and its global step (after a node failure's requeue, with no ``hpc_ckpt``, too)."""
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) < 1 or not (runs := jobs_runs(family, command)):
+        return None
+    found = find_last_checkpoint(runs[0], IN_A_RUN)
+    if found is not None:
+        rank_zero_info(
+            f"SLURM job {os.environ['SLURM_JOB_ID']}, requeued: resuming its run from {found[0]} (global step "
+            f"{found[1]}), as Lightning's auto-requeue does"
+        )
+    return found
 
 
 def check_save_dir(family: Path) -> None:
@@ -244,19 +265,28 @@ def check_save_dir(family: Path) -> None:
         raise ValueError(f"{flag} {family.parent}: the folder {existing} is not writable. Choose another {flag}.")
 
 
-def plan_run(config: Namespace, subcommand: str, fixed: dict[str, str] | None = None) -> RunPlan:
+def plan_run(
+    config: Namespace, subcommand: str, fixed: dict[str, str] | None = None, command: list[str] | None = None
+) -> RunPlan:
     """Resolves ``ckpt_path`` (``last``: the newest loadable checkpoint) and picks the run folder (``fixed``: as
-    ``family_dir`` reads it).
+    ``family_dir`` reads it; ``command``: the arguments the command was given, which a SLURM job's requeue gives
+    again).
 
     Only ``fit`` continues a run's folder: ``validate``/``test``/``predict`` of a checkpoint get a folder of their
     own, so they never add points to the training curves.
     """
+    plan = _plan_run(config, subcommand, fixed, command or [])
+    plan.job = slurm_job(command or [])
+    return plan
+
+
+def _plan_run(config: Namespace, subcommand: str, fixed: dict[str, str] | None, command: list[str]) -> RunPlan:
     family = family_dir(config, fixed)
     check_save_dir(family)
     if isinstance(config.get("run"), Namespace):  # the run's config.yaml names its family's root, however given
         config["run"]["root"] = str(family.parent)
     ckpt_path = config.get("ckpt_path")
-    requeued = requeued_jobs_checkpoint(family) if ckpt_path is None and subcommand == "fit" else None
+    requeued = requeued_jobs_checkpoint(family, command) if ckpt_path is None and subcommand == "fit" else None
     if requeued is not None:
         path, global_step = requeued
         config["ckpt_path"] = str(path)
@@ -270,7 +300,10 @@ def plan_run(config: Namespace, subcommand: str, fixed: dict[str, str] | None = 
         global_step = read_global_step(path)
         return new_version(family, resumed_from=path, global_step=global_step)
     elif ckpt_path in ("last", "hpc"):  # hpc: Lightning's SLURM checkpoint, the newest of any run here
-        found = find_last_checkpoint(family, RUN_CHECKPOINTS if ckpt_path == "last" else RUN_CHECKPOINTS[1:])
+        # a SLURM job's hpc is its own run's, as Lightning's is the one in its own default_root_dir
+        own = next((found for run in jobs_runs(family, command) if (found := find_last_checkpoint(run, IN_A_RUN[1:]))),
+                   None) if ckpt_path == "hpc" else None  # fmt: skip
+        found = own or find_last_checkpoint(family, RUN_CHECKPOINTS if ckpt_path == "last" else RUN_CHECKPOINTS[1:])
         # evaluating random weights is never what was asked for, nor (Lightning says so too) a fresh fit for hpc
         if found is None and (subcommand != "fit" or ckpt_path == "hpc"):
             what = "checkpoint" if ckpt_path == "last" else "hpc_ckpt_N.ckpt (SIGUSR1's under SLURM)"

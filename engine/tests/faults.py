@@ -193,6 +193,15 @@ class CrashAt(L.Callback):
             raise RuntimeError("injected crash")
 
 
+class CrashUnlessRequeued(CrashAt):
+    """``CrashAt`` in a SLURM job's first start only (no ``SLURM_RESTART_COUNT``): the job's command crashes, and the
+    same command, requeued, trains on."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_: object) -> None:
+        if not os.environ.get("SLURM_RESTART_COUNT"):
+            super().on_train_batch_start(trainer)
+
+
 class KillBeforePublish(ShardedStrategy):
     """The sharded strategy, whose save at global step ``step`` is SIGKILLed on every rank after all shards are
     written, before the folder gets its name: the worst moment for an atomic save.

@@ -1,5 +1,6 @@
 """Run folders: where a run goes, what `--ckpt_path last` picks, and which run a resume continues."""
 
+import json
 import os
 from pathlib import Path
 
@@ -121,27 +122,37 @@ def slurm_job(monkeypatch, job: str, restarts: int | None) -> None:
 
 
 def test_a_requeued_slurm_job_without_ckpt_path_continues_its_own_run_as_lightnings_auto_requeue_does(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, caplog
 ):
-    """Lightning's auto-requeue reruns the job's command as it was, without ``--ckpt_path``: the job's run (the newest
-    whose run.json names the job) continues from its newest checkpoint; not another job's newer run, and not on the
-    job's first start."""
+    """Lightning's auto-requeue reruns the job's command as it was, without ``--ckpt_path``: the job's run of that
+    command (the newest whose run.json names both) continues from its newest checkpoint; not a newer run of another
+    job, nor of another command of the same job (a loop over seeds), nor one whose run.json does not read; and not on
+    the job's first start. ``--ckpt_path hpc`` takes the job's own run's ``hpc_ckpt`` too."""
     family = tmp_path / RUN_NAME
+    command = ["fit", "--seed_everything", "1"]
     save(family / "version_0" / "checkpoints" / "last.ckpt", 10, 1000)
     save(family / "version_0" / "hpc_ckpt_1.ckpt", 12, 2000)
-    (family / "version_0" / "run.json").write_text('{"slurm_job_id": "4242"}')
-    save(family / "version_1" / "checkpoints" / "last.ckpt", 30, 3000)  # a newer run of another job
-    (family / "version_1" / "run.json").write_text('{"slurm_job_id": "777"}')
+    (family / "version_0" / "run.json").write_text(json.dumps({"slurm_job_id": "4242", "command": command}))
+    for version, record in [(1, {"slurm_job_id": "777", "command": command}),  # another job's
+                            (2, {"slurm_job_id": "4242", "command": ["fit", "--seed_everything", "2"]})]:  # fmt: skip
+        save(family / f"version_{version}" / "hpc_ckpt_1.ckpt", 30, 3000 + version)
+        (family / f"version_{version}" / "run.json").write_text(json.dumps(record))
+    save(family / "version_3" / "checkpoints" / "last.ckpt", 40, 4000)
+    (family / "version_3" / "run.json").write_text("")  # a node failed as it was written
     slurm_job(monkeypatch, "4242", 1)
     cfg = config(tmp_path)
-    plan = plan_run(cfg, "fit")
+    plan = plan_run(cfg, "fit", command=command)
     assert cfg.ckpt_path == str(family / "version_0" / "hpc_ckpt_1.ckpt")
     assert (plan.dir, plan.continues, plan.global_step) == (family / "version_0", True, 12)
-    assert plan_run(config(tmp_path), "validate").dir == family / "version_2"  # only fit continues a run
-    for job, restarts, version in [("4242", None, 3), ("5000", 1, 4)]:  # the job's first start; a requeued job with
+    assert plan.job == {"slurm_job_id": "4242", "command": command}  # what its run.json records again
+    assert f"Skipping {family / 'version_3' / 'run.json'}, which does not read" in caplog.text
+    cfg = config(tmp_path, "hpc")
+    assert plan_run(cfg, "fit", command=command).dir == family / "version_0"  # not version_2's newer hpc_ckpt
+    assert plan_run(config(tmp_path), "validate", command=command).dir == family / "version_4"  # fit only
+    for job, restarts, version in [("4242", None, 5), ("5000", 1, 6)]:  # the job's first start; a requeued job with
         slurm_job(monkeypatch, job, restarts)  # no run here yet: each a fresh run
         cfg = config(tmp_path)
-        assert plan_run(cfg, "fit").dir == family / f"version_{version}" and cfg.ckpt_path is None
+        assert plan_run(cfg, "fit", command=command).dir == family / f"version_{version}" and cfg.ckpt_path is None
 
 
 @pytest.mark.slow
@@ -151,17 +162,19 @@ def test_a_slurm_job_lightning_requeues_trains_on_bit_equal_in_the_same_run_with
     """The job crashes at step 16 (a checkpoint every 13 steps) and SLURM requeues it: the same command, without
     ``--ckpt_path``, continues version_0 and ends bit-equal to the uninterrupted run. Before, the requeued job started
     a fresh version_1 from scratch, saying nothing."""
-    from tests.helpers import QUIET, cli_in_process, crash_in_process, max_abs_diff
+    from tests.helpers import QUIET, cli_in_process, max_abs_diff
 
     flags = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches",
              "1", "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=13",
              "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true"]  # fmt: skip
     cli_in_process("fit", *flags, root=tmp_path / "reference")
+    job = [*flags, "--trainer.callbacks+=tests.faults.CrashUnlessRequeued", "--trainer.callbacks.step=16"]
     slurm_job(monkeypatch, "4242", None)
-    crash_in_process(16, *flags, root=tmp_path / "job")
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *job, root=tmp_path / "job")
     slurm_job(monkeypatch, "4242", 1)
     capsys.readouterr()
-    cli_in_process("fit", *flags, root=tmp_path / "job")
+    cli_in_process("fit", *job, root=tmp_path / "job")
     out = capsys.readouterr().out
     run = tmp_path / "job" / RUN_NAME / "version_0"
     assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"], out[-3000:]
@@ -170,3 +183,45 @@ def test_a_slurm_job_lightning_requeues_trains_on_bit_equal_in_the_same_run_with
     got = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert (got["global_step"], ref["global_step"]) == (18, 18)
     assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
+
+
+def _set_up_run_folders(rank: int, init: str, cases: list[list[str | None]], said) -> None:
+    """One rank of ``test_ranks_that_found_different_checkpoints_stop_in_one_line``: RunFolder's setup for each case
+    (what each rank's plan resumes from), and what it raised."""
+    from types import SimpleNamespace
+
+    from steadfast.run_folder import RunFolder
+    from steadfast.runs import RunPlan
+
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(broadcast=lambda x: x), world_size=2, checkpoint_callbacks=[],
+                              is_global_zero=rank == 0, loggers=[])  # fmt: skip
+    try:
+        for case, found in enumerate(cases):
+            path = None if found[rank] is None else Path(found[rank])
+            try:
+                RunFolder(RunPlan(Path("runs/blobs/version_0"), path is not None, path)).setup(trainer, None, "fit")
+                said.put((case, rank, None))
+            except Exception as error:  # what each rank raised is the result
+                said.put((case, rank, f"{type(error).__name__}: {error}"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_that_found_different_checkpoints_stop_in_one_line(tmp_path):
+    """Each rank resolves ``last`` (or a SLURM requeue's run) from what its file system shows it: a network file system
+    that has not caught up on one node made that rank load another checkpoint, or none. Every rank now stops with the
+    same one-line error (two real gloo processes)."""
+    cases = [["a/last.ckpt", "a/last.ckpt"], ["a/last.ckpt", "b/last.ckpt"], ["a/last.ckpt", None], [None, None]]
+    context = torch.multiprocessing.get_context("spawn")
+    said = context.Queue()
+    torch.multiprocessing.start_processes(_set_up_run_folders, args=(f"file://{tmp_path / 'rendezvous'}", cases, said),
+                                          nprocs=2, start_method="spawn")  # fmt: skip
+    got = {(case, rank): error for case, rank, error in (said.get(timeout=60) for _ in range(2 * len(cases)))}
+    for case, found in enumerate(cases):
+        if found[0] == found[1]:
+            assert got[case, 0] is None and got[case, 1] is None, got
+        else:
+            assert got[case, 0] == got[case, 1], got
+            assert got[case, 0].startswith("ResumeError: The ranks found different checkpoints to start from ("), got
