@@ -284,8 +284,8 @@ def test_ddp_predictions_on_2_ranks_merge_into_the_single_process_file(fitted):
     assert delta <= 1e-6
 
 
-@pytest.mark.slow  # scripts/export.py in a subprocess, onnx tracing
-@pytest.mark.parametrize("fitted", ["classify", "dict_floats"], indirect=True)
+@pytest.mark.slow  # scripts/export.py in a subprocess, onnx tracing; a second shape in CI and make test-all
+@pytest.mark.parametrize("fitted", ["classify", pytest.param("dict_floats", marks=pytest.mark.long)], indirect=True)
 def test_export_of_a_runs_checkpoint_gives_the_modules_forward(fitted, tmp_path):
     import subprocess
     import sys

@@ -185,6 +185,7 @@ def script(folder: Path, *args: str, check: bool = True):
                    check=check)  # fmt: skip
 
 
+@pytest.mark.long  # ~40 s; make test adopts an existing project once, above
 def test_a_projects_own_lightning_cli_script_with_a_link_keeps_its_config_and_resumes_exactly(tmp_path, monkeypatch):
     reference = its_own_script(tmp_path / "reference")
     # without its script, the config names no class, and the classes named need the linked value: each said so
