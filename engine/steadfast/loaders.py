@@ -27,7 +27,8 @@ class ResumableSampler(DistributedSampler):
     number of ranks that keeps ``G`` (elastic determinism, ``steadfast.elastic``).
     ``pad=True`` (training) repeats the first indices of the order until its length is a multiple of
     ``global_batch`` (samples per optimizer step over all ranks; default ``num_replicas``), so all ranks get the
-    same number of full batches and the padding does not depend on the number of ranks. ``pad=False`` (evaluation)
+    same number of full batches and the padding does not depend on the number of ranks; ``cut=True`` (a train
+    loader's ``drop_last``) drops the order's last short global batch instead. ``pad=False`` (evaluation)
     gives each index to exactly one rank, so metrics reduced across ranks equal the single-process value; ranks may
     then run different numbers of batches.
     ``epoch_in_keys``: hand out ``epoch * len(dataset) + index``, the key of a dataset seeded per sample
@@ -49,6 +50,7 @@ class ResumableSampler(DistributedSampler):
         *,
         source: Sampler | None = None,
         drop_last: bool = False,
+        cut: bool = False,
         global_batch: int | None = None,
         epoch_in_keys: bool = False,
     ) -> None:
@@ -57,11 +59,13 @@ class ResumableSampler(DistributedSampler):
         multiple = global_batch or num_replicas
         if multiple % num_replicas:
             raise ValueError(f"global_batch ({multiple}) must be a multiple of the number of ranks ({num_replicas})")
-        self.pad, self.source, self.multiple = pad, source, multiple
+        self.pad, self.cut, self.source, self.multiple = pad, cut, source, multiple
         total = len(source) if isinstance(source, _DRAWS) else len(dataset)  # type: ignore[arg-type]
         self.total = total  # the samples of one epoch's order before padding
         if drop_last:
             self.num_samples = total // num_replicas
+        elif cut:
+            self.num_samples = total // multiple * multiple // num_replicas
         else:
             padded = math.ceil(total / multiple) * multiple
             self.num_samples = padded // num_replicas if pad else len(range(rank, total, num_replicas))
@@ -76,8 +80,8 @@ class ResumableSampler(DistributedSampler):
     def _order(self) -> list[int]:
         order = _epoch_order(self, torch.Generator().manual_seed(self.seed + self.epoch))
         total, world = len(order), self.num_replicas
-        if self.drop_last:
-            order = order[: total - total % world]
+        if self.drop_last or self.cut:
+            order = order[: total - total % (self.multiple if self.cut and not self.drop_last else world)]
         elif self.pad and total % self.multiple:
             short = self.multiple - total % self.multiple  # may exceed the order's length on a tiny data set
             order = torch.cat([order, order.repeat(-(-short // total))[:short]])
@@ -206,7 +210,12 @@ def check_train_batch(batch_size: int, sampler: ResumableSampler) -> None:
     """Raises when one batch of ``batch_size`` is larger than this rank's share of the training set (before the
     padding to the global batch, which would otherwise fill the one short batch with repeats of the same samples)."""
     world = sampler.num_replicas
-    share = sampler.total // world if sampler.drop_last else math.ceil(sampler.total / world)
+    share = sampler.total // world if sampler.drop_last or sampler.cut else math.ceil(sampler.total / world)
+    if sampler.cut and sampler.num_samples == 0 and batch_size <= share:  # accumulated steps longer than an epoch
+        raise ValueError(
+            f"drop_last leaves no optimizer step: the training set ({sampler.total} samples) is smaller than one "
+            f"step's {sampler.multiple} over all ranks. Lower --trainer.accumulate_grad_batches or the batch size."
+        )
     if batch_size > share:
         where = f"{share} samples" + (f" per rank on {world} ranks" if world > 1 else "")
         raise ValueError(

@@ -135,6 +135,9 @@ def engine_loader(
         return loader, _gives_up(reason, split, world, split_by_lightning and not iterable, sharded)
     note = None
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # seed_everything's, as Lightning's DistributedSampler reads it
+    own = getattr(sampler, "generator", None) or loader.generator  # a RandomSampler's, or given to the DataLoader
+    if own is not None:  # it decides the order, as in torch, whatever seed_everything says
+        seed = own.initial_seed() % 2**63
     shuffle, drop_last = not isinstance(sampler, SequentialSampler), False
     if type(sampler) is DistributedSampler:  # the user's own split: kept, with its seed and shuffle
         world, rank = sampler.num_replicas, sampler.rank
@@ -157,6 +160,7 @@ def engine_loader(
         pad=train or sharded,
         source=source,
         drop_last=drop_last,
+        cut=train and bool(loader.drop_last),  # its last short batch dropped, as it asks, not padded to a full one
         global_batch=per_step,
         epoch_in_keys=seeded and train and loader.num_workers > 0 and can_seed(loader.dataset),
     )

@@ -82,3 +82,59 @@ def test_an_eval_set_smaller_than_the_ranks_is_refused_alike_on_every_rank():
     check_eval_share(3, 3)  # as many samples as ranks: one each
     data = TensorDataset(torch.zeros(3, 1))
     assert [len(ResumableSampler(data, 3, rank, False, 0, False)) for rank in range(3)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_train_loaders_drop_last_cuts_the_short_last_global_batch_instead_of_padding_it(world):
+    """84 samples, 8 per optimizer step over all ranks: 80 trained, each once, the first 80 of the epoch's order (the
+    padded order trains 88, four of them twice)."""
+    data = TensorDataset(torch.arange(84))
+    cut = [list(ResumableSampler(data, world, r, True, 5, True, cut=True, global_batch=8)) for r in range(world)]
+    padded = [list(ResumableSampler(data, world, r, True, 5, True, global_batch=8)) for r in range(world)]
+    assert [len(x) for x in cut] == [80 // world] * world and [len(x) for x in padded] == [88 // world] * world
+    trained = [i for x in cut for i in x]
+    assert len(set(trained)) == 80 and all(x == p[: len(x)] for x, p in zip(cut, padded, strict=True))
+
+
+@pytest.mark.slow  # real fits
+def test_a_train_loader_that_drops_its_last_batch_trains_the_epochs_lightning_does_and_resumes_bit_equal(tmp_path):
+    """1,258 samples in batches of 64 with ``drop_last=True``: 19 steps an epoch, as plain Lightning's loader has
+    (the engine padded to 20, training 22 samples twice). Killed mid-epoch 1, the resume is bit-equal."""
+    from torch.utils.data import DataLoader
+
+    from tests.fixtures.loader_habits import DropsLast
+    from tests.helpers import QUIET, cli_in_process, max_abs_diff
+
+    data = DropsLast()
+    data.setup("fit")
+    per_epoch = len(DataLoader(data.splits["train"], batch_size=64, drop_last=True))  # plain torch: the oracle
+    flags = [*QUIET, "--data", "tests.fixtures.loader_habits.DropsLast", "--trainer.max_epochs", "2",
+             "--trainer.limit_val_batches", "1"]  # fmt: skip
+    reference = cli_in_process("fit", *flags, root=tmp_path / "reference")
+    assert per_epoch == 19 and reference.trainer.global_step == 2 * per_epoch
+    with pytest.raises(RuntimeError, match="injected crash"):
+        cli_in_process("fit", *flags, "--trainer.callbacks+=tests.faults.CrashAt", "--trainer.callbacks.step=25",
+                       root=tmp_path / "resumed")  # fmt: skip
+    cli_in_process("fit", *flags, "--ckpt_path", "last", root=tmp_path / "resumed")
+    ref, got = (torch.load(tmp_path / name / "drops_last" / "version_0" / "checkpoints" / "last.ckpt",
+                           weights_only=True) for name in ("reference", "resumed"))  # fmt: skip
+    assert got["global_step"] == ref["global_step"] == 38
+    assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
+
+
+@pytest.mark.slow  # real fits
+def test_a_train_loaders_own_generator_decides_its_order_whatever_the_runs_seed(tmp_path):
+    """As in torch's ``RandomSampler``: the same generator seed, the same first batch under two run seeds; another
+    generator seed, another batch. The engine drew the order from ``seed_everything`` alone."""
+    from tests.helpers import QUIET, cli_in_process
+
+    def first_labels(run_seed: int, order_seed: int) -> list[int]:
+        cli = cli_in_process("fit", *QUIET, "--data", "tests.fixtures.loader_habits.OwnGenerator",
+                             "--data.order_seed", str(order_seed), "--seed_everything", str(run_seed),
+                             "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0",
+                             "--trainer.callbacks+=tests.fixtures.loader_habits.FirstLabels",
+                             root=tmp_path / f"{run_seed}-{order_seed}")  # fmt: skip
+        return next(c.labels for c in cli.trainer.callbacks if type(c).__name__ == "FirstLabels")
+
+    assert first_labels(1, 0) == first_labels(2, 0)
+    assert first_labels(1, 0) != first_labels(1, 7)
