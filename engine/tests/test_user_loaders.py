@@ -113,17 +113,17 @@ def test_each_kind_of_sampler_is_replaced_by_one_that_draws_from_seed_and_epoch(
         assert first == list(range(30)) and first + padding == epoch(0, 1)
         return
     assert epoch(0, 1)[: len(first)] != first
-    assert (epoch(1, 0)[: len(first)] != first) == (
-        kind != "distributed"
-    )  # the user's DistributedSampler keeps its own seed
+    # the user's DistributedSampler keeps its own seed, and a generator of the loader's own its own
+    assert (epoch(1, 0)[: len(first)] != first) == (kind not in ("distributed", "shuffle+generator"))
     if kind == "subset":
         assert sorted(first) == list(range(5, 20))
     elif kind == "weighted":
         assert len(first) == 25 and isinstance(samplers[kind], WeightedRandomSampler)
     else:
         assert sorted(first) == list(range(30))
-    if kind == "shuffle":  # what Lightning's DistributedSampler would draw: torch.randperm seeded with seed + epoch
-        assert first == torch.randperm(30, generator=torch.Generator().manual_seed(0)).tolist()
+    if kind.startswith("shuffle"):  # what Lightning's DistributedSampler would draw: randperm seeded with seed + epoch
+        seed = 123 if kind == "shuffle+generator" else 0  # the generator's seed, as torch's RandomSampler takes it
+        assert first == torch.randperm(30, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_a_resume_keeps_the_seed_its_run_drew_the_order_with(monkeypatch):
