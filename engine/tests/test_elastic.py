@@ -168,6 +168,7 @@ def test_a_two_rank_run_killed_at_an_epoch_end_continues_on_one_rank_with_the_sa
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI and make test-all; make test changes the ranks 2 -> 1 above (and both ways in process)
 def test_a_one_rank_run_killed_mid_epoch_continues_on_two_ranks_with_the_same_global_batches(grown, uninterrupted):
     steps, final, out, _ = grown
     assert_same_run(steps, final, uninterrupted)
@@ -237,6 +238,7 @@ def test_the_epoch_note_says_when_an_epoch_runs_other_samples_than_the_checkpoin
 
 
 @pytest.mark.slow
+@pytest.mark.long  # with the test above (its fixture); make test's 2 -> 1 resume ends bit-near with this noise
 def test_noise_seeded_per_sample_from_seed_epoch_and_index_follows_a_change_of_ranks(shrunk, grown, uninterrupted):
     reference = {k: v for step in uninterrupted[0].values() for k, v in step["noise"].items()}
     for steps, *_ in (shrunk, grown):

@@ -45,6 +45,7 @@ def assert_stopped_at_step_with_checkpoints_intact(proc, cwd, step: int, last_go
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values() if v.is_floating_point())
 
 
+@pytest.mark.long  # CI and make test-all; make test stops a NaN on one DDP rank below, with the same checks
 def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     args = [*SMALL, "--trainer.max_epochs", "4", *nan_at(12, tmp_path / "hashes.json")]
     proc = cli("fit", *args, cwd=tmp_path, check=False, timeout=120)

@@ -87,6 +87,7 @@ def exported_outputs_equal(folder: Path, family: str, *inputs: torch.Tensor, for
             assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5), path.name
 
 
+@pytest.mark.long  # CI and make test-all; make test kills and resumes a module of its own in test_existing_project.py
 def test_boring_model_killed_mid_epoch_resumes_exactly_and_exports(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ref, got, start = killed_and_resumed(tmp_path, "boring", [*BORING, *EVERY_5])

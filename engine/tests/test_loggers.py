@@ -152,8 +152,10 @@ LOGGERS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(  # W&B resumes in a new process (~30 s): CI and make test-all
-    "name", [pytest.param(n, marks=pytest.mark.long) if n == "wandb" else n for n in LOGGERS]
+@pytest.mark.parametrize(  # W&B resumes in a new process (~30 s), TensorBoard and CSV alone (make test runs them
+    # together): CI and make test-all
+    "name",
+    [pytest.param(n, marks=pytest.mark.long) if n in ("wandb", "tensorboard", "csv") else n for n in LOGGERS],
 )
 def test_resume_continues_the_same_run_with_each_step_logged_once(name, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")  # belt and braces: the overlay is offline already

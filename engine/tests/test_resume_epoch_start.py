@@ -87,7 +87,9 @@ def test_a_checkpoint_saved_while_a_batch_was_under_way_says_so_on_its_resume(tm
     assert "exact resume: no: the checkpoint was saved while training batch 4 of epoch 1 was under way" in start, start
 
 
-@pytest.mark.parametrize(("every", "crash"), [(4, 10), (6, 7)], ids=["mid-epoch", "epoch-end"])
+@pytest.mark.parametrize(  # the epoch's end: CI and make test-all
+    ("every", "crash"), [(4, 10), pytest.param(6, 7, marks=pytest.mark.long)], ids=["mid-epoch", "epoch-end"]
+)
 def test_lightnings_spike_detection_resumes_exactly_and_its_window_left_out_of_the_checkpoint_is_named(
     every, crash, tmp_path, capsys
 ):

@@ -28,7 +28,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "subcommand",
-    ["validate", pytest.param("test", marks=pytest.mark.long)],  # test: CI and make test-all
+    # CI and make test-all; make test validates on 1, 2 and 3 ranks against one process in test_sync_dist.py
+    [pytest.param("validate", marks=pytest.mark.long), pytest.param("test", marks=pytest.mark.long)],
 )
 def test_one_two_and_three_ranks_give_the_single_process_numbers(checkpoint, tmp_path, subcommand):
     stage = "val" if subcommand == "validate" else "test"
