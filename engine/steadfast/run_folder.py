@@ -19,7 +19,7 @@ from steadfast.compat_loops import logging_step
 from steadfast.loggers import StepGate
 from steadfast.run_checkpoints import EVALUATION_LOGGING_STEPS, NEXT_LOGGING_STEP, ResumeError
 from steadfast.run_loggers import write_record
-from steadfast.runs import RunPlan
+from steadfast.runs import RunPlan, torchrun_agent
 
 
 class RunFolder(Callback):
@@ -68,8 +68,14 @@ class RunFolder(Callback):
             ]
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        job = dict(self.plan.job)
+        if "torchrun_run_id" in job:  # every node's agent, which a restart of the workers finds its run by
+            agents: list[Any] = [torchrun_agent()] * trainer.world_size
+            if trainer.world_size > 1 and torch.distributed.is_initialized():
+                torch.distributed.all_gather_object(agents, torchrun_agent())
+            job["torchrun_agents"] = sorted(set(agents))
         if trainer.is_global_zero and not trainer.fast_dev_run:  # which writes nothing, as Lightning documents
-            write_record(self.dir, trainer.loggers, self.plan.job)
+            write_record(self.dir, trainer.loggers, job)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         # Which logged steps the checkpoint covers: the resumed run logs from the next one on. Loggers get

@@ -13,6 +13,7 @@ version (the points logged after the checkpoint are dropped), the same MLflow an
 import json
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -120,7 +121,7 @@ class RunPlan:
     global_step: int | None = None
     record: dict[str, Any] = field(default_factory=dict)  # run.json of the continued run
     log_step: int | None = None  # the loggers' step the continued run starts at (read_positions)
-    job: dict[str, Any] = field(default_factory=dict)  # run.json's record of the SLURM job (slurm_job)
+    job: dict[str, Any] = field(default_factory=dict)  # run.json's record of the launcher's job (launcher_job)
     made: tuple[Path, ...] = ()  # the folders above dir that planning it created (run.root, the run family)
 
     @property
@@ -206,19 +207,29 @@ def claim_next_version(family: Path) -> Path:
         return path
 
 
-def slurm_job(command: list[str]) -> dict[str, Any]:
-    """What ``run.json`` records of a SLURM batch job (``{}`` outside one): its id and the command that started the
-    run, for its requeue to find the run again (``jobs_runs``)."""
+def launcher_job(command: list[str]) -> dict[str, Any]:
+    """What ``run.json`` records of the launcher that restarts a failed job with its command as it was (``{}``
+    without one), for the restart to find the run again (``jobs_runs``): SLURM's job id, or torchrun's run id (its
+    agents, which stay while their workers restart, are added as the run starts: ``run_folder``); and the command."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun, under SLURM too: the one that restarts the workers
+        return {"torchrun_run_id": os.environ["TORCHELASTIC_RUN_ID"], "command": command}
     job = os.environ.get("SLURM_JOB_ID")
     return {"slurm_job_id": job, "command": command} if job and SLURMEnvironment.detect() else {}
 
 
+def torchrun_agent() -> str:
+    """This worker's torchrun agent (its parent process), which outlives the workers it restarts."""
+    return f"{socket.gethostname()}:{os.getppid()}"
+
+
 def jobs_runs(family: Path, command: list[str]) -> list[Path]:
-    """The runs in ``family`` this SLURM job started with this command, newest first. Lightning's auto-requeue
-    (SIGUSR1: an ``hpc_ckpt``, then ``scontrol requeue``) reruns the job's command as it was, and Lightning resumes it
-    from the ``hpc_ckpt`` in ``default_root_dir``: a new run folder here. The command tells apart the fits of a job
-    that runs several (a loop over seeds). A ``run.json`` that does not read is passed over, and said."""
-    job = slurm_job(command)
+    """The runs in ``family`` this job started with this command, newest first, for a restarted job. Lightning's
+    SLURM auto-requeue (SIGUSR1: an ``hpc_ckpt``, then ``scontrol requeue``) reruns the job's command as it was, and
+    so does torchrun's ``--max-restarts`` after a worker fails; Lightning resumes only the first, from the ``hpc_ckpt``
+    in ``default_root_dir``: a new run folder here. The command tells apart the fits of a job that runs several (a loop
+    over seeds); under torchrun, whose run id is "none" unless given, so does this worker's agent. A ``run.json``
+    that does not read is passed over, and said."""
+    job = launcher_job(command)
     if not job:
         return []
     runs = sorted(family.glob("version_*"), key=lambda p: int(p.name[8:]) if p.name[8:].isdigit() else -1)
@@ -231,22 +242,26 @@ def jobs_runs(family: Path, command: list[str]) -> list[Path]:
         except (OSError, ValueError) as error:  # a node that failed while writing it
             rank_zero_info(f"Skipping {run_dir / RUN_RECORD}, which does not read: {error}")
             continue
-        if isinstance(record, dict) and all(record.get(key) == value for key, value in job.items()):
-            mine.append(run_dir)
+        if not isinstance(record, dict) or any(record.get(key) != value for key, value in job.items()):
+            continue
+        if "torchrun_run_id" in job and torchrun_agent() not in record.get("torchrun_agents", []):
+            continue
+        mine.append(run_dir)
     return mine
 
 
 def requeued_jobs_checkpoint(family: Path, command: list[str]) -> tuple[Path, int] | None:
-    """A requeued SLURM job's (``SLURM_RESTART_COUNT`` 1 or more) newest run of this command, when it has a loadable
-    checkpoint: that file and its global step (after a node failure's requeue, with no ``hpc_ckpt``, too)."""
-    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) < 1 or not (runs := jobs_runs(family, command)):
+    """A restarted job's (``SLURM_RESTART_COUNT``, ``TORCHELASTIC_RESTART_COUNT`` 1 or more) newest run of this
+    command, when it has a loadable checkpoint: that file and its global step (after a node failure's requeue, with no
+    ``hpc_ckpt``, too)."""
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT" if torchrun else "SLURM_RESTART_COUNT") or 0)
+    if restarts < 1 or not (runs := jobs_runs(family, command)):
         return None
     found = find_last_checkpoint(runs[0], IN_A_RUN)
     if found is not None:
-        rank_zero_info(
-            f"SLURM job {os.environ['SLURM_JOB_ID']}, requeued: resuming its run from {found[0]} (global step "
-            f"{found[1]}), as Lightning's auto-requeue does"
-        )
+        how = "torchrun restarted the workers" if torchrun else f"SLURM job {os.environ['SLURM_JOB_ID']}, requeued,"
+        rank_zero_info(f"{how} (restart {restarts}): resuming the run from {found[0]} (global step {found[1]})")
     return found
 
 
@@ -276,7 +291,7 @@ def plan_run(
     own, so they never add points to the training curves.
     """
     plan = _plan_run(config, subcommand, fixed, command or [])
-    plan.job = slurm_job(command or [])
+    plan.job = launcher_job(command or [])
     return plan
 
 

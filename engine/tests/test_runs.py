@@ -225,3 +225,31 @@ def test_ranks_that_found_different_checkpoints_stop_in_one_line(tmp_path):
         else:
             assert got[case, 0] == got[case, 1], got
             assert got[case, 0].startswith("ResumeError: The ranks found different checkpoints to start from ("), got
+
+
+def test_workers_torchrun_restarted_continue_the_run_their_agent_started_not_an_earlier_torchruns(
+    tmp_path, monkeypatch
+):
+    """torchrun's run id is "none" unless given: the run of a restarted worker is the one whose run.json lists this
+    worker's agent (its parent process, which outlives the workers it restarts), not a run an earlier torchrun of the
+    same command left (another agent); the first attempt (restart 0) starts fresh."""
+    from steadfast.runs import torchrun_agent
+
+    family = tmp_path / RUN_NAME
+    command = ["fit", "--trainer.devices", "2"]
+    for version, agent in [(0, torchrun_agent()), (1, "elsewhere:1")]:  # version_1: yesterday's torchrun, newer
+        save(family / f"version_{version}" / "checkpoints" / "last.ckpt", 4 + version, 1000 + version)
+        record = {"torchrun_run_id": "none", "command": command, "torchrun_agents": [agent, "node1:77"]}
+        (family / f"version_{version}" / "run.json").write_text(json.dumps(record))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    cfg = config(tmp_path)
+    plan = plan_run(cfg, "fit", command=command)
+    assert (plan.dir, plan.continues, cfg.ckpt_path) == (
+        family / "version_0",
+        True,
+        str(family / "version_0" / "checkpoints" / "last.ckpt"),
+    )
+    assert plan.job == {"torchrun_run_id": "none", "command": command}
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert plan_run(config(tmp_path), "fit", command=command).dir == family / "version_2"
