@@ -80,8 +80,9 @@ class ResumableSampler(DistributedSampler):
     def _order(self) -> list[int]:
         order = _epoch_order(self, torch.Generator().manual_seed(self.seed + self.epoch))
         total, world = len(order), self.num_replicas
-        if self.drop_last or self.cut:
-            order = order[: total - total % (self.multiple if self.cut and not self.drop_last else world)]
+        if self.drop_last or self.cut:  # the user's DistributedSampler's drop_last evens the ranks; a loader's, steps
+            unit = world if self.drop_last else self.multiple
+            order = order[: total - total % unit]
         elif self.pad and total % self.multiple:
             short = self.multiple - total % self.multiple  # may exceed the order's length on a tiny data set
             order = torch.cat([order, order.repeat(-(-short // total))[:short]])

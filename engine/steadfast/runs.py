@@ -260,7 +260,7 @@ def requeued_jobs_checkpoint(family: Path, command: list[str]) -> tuple[Path, in
         return None
     found = find_last_checkpoint(runs[0], IN_A_RUN)
     if found is not None:
-        how = "torchrun restarted the workers" if torchrun else f"SLURM job {os.environ['SLURM_JOB_ID']}, requeued,"
+        how = "torchrun restarted the workers" if torchrun else f"SLURM job {os.environ['SLURM_JOB_ID']} requeued"
         rank_zero_info(f"{how} (restart {restarts}): resuming the run from {found[0]} (global step {found[1]})")
     return found
 
@@ -315,10 +315,10 @@ def _plan_run(config: Namespace, subcommand: str, fixed: dict[str, str] | None, 
         global_step = read_global_step(path)
         return new_version(family, resumed_from=path, global_step=global_step)
     elif ckpt_path in ("last", "hpc"):  # hpc: Lightning's SLURM checkpoint, the newest of any run here
-        # a SLURM job's hpc is its own run's, as Lightning's is the one in its own default_root_dir
-        own = next((found for run in jobs_runs(family, command) if (found := find_last_checkpoint(run, IN_A_RUN[1:]))),
-                   None) if ckpt_path == "hpc" else None  # fmt: skip
-        found = own or find_last_checkpoint(family, RUN_CHECKPOINTS if ckpt_path == "last" else RUN_CHECKPOINTS[1:])
+        # a job's hpc is its own run's, as Lightning's is the one in its own default_root_dir
+        own = jobs_runs(family, command) if ckpt_path == "hpc" else []
+        found = next(filter(None, (find_last_checkpoint(run, IN_A_RUN[1:]) for run in own)), None)
+        found = found or find_last_checkpoint(family, RUN_CHECKPOINTS if ckpt_path == "last" else RUN_CHECKPOINTS[1:])
         # evaluating random weights is never what was asked for, nor (Lightning says so too) a fresh fit for hpc
         if found is None and (subcommand != "fit" or ckpt_path == "hpc"):
             what = "checkpoint" if ckpt_path == "last" else "hpc_ckpt_N.ckpt (SIGUSR1's under SLURM)"
