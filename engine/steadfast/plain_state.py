@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torchmetrics import Metric
 
+from steadfast.compat_torch import unsaved_buffers
 from steadfast.module_hooks import own_hook
 
 # Classes whose attributes are their own state to restore (Lightning's callbacks) or set by Lightning (the module's)
@@ -52,18 +53,24 @@ def unsaved_notes(saved: dict[str, Any], trainer: L.Trainer) -> list[str]:
             "self.log(..., on_epoch=True) or a torchmetrics metric keeps such a value"
         )
     parts = _users_parts(trainer)
-    alike: dict[tuple[str, str], list[str]] = {}  # the same change in layers of one class (24 blocks) said once
+    alike: dict[tuple[str, str, bool], list[str]] = {}  # the same change in layers of one class (24 blocks) said once
     for key, values in sorted(saved.get("values", {}).items()):
         part = parts.get(key)
-        changed = [
-            f"{name} ({_short(was)} saved, {_short(now)} now)"
+        buffers = unsaved_buffers(part) if isinstance(part, torch.nn.Module) else {}
+        changed = {
+            name: f"{name} ({_short(was)} saved, {_short(now)} now)"
             for name, was in sorted(values.items())
             if part is not None and (now := _said(getattr(part, name, None))) != was
-        ]
+        }
         if changed:
             submodule = key.startswith("self.")
-            alike.setdefault((", ".join(changed), type(part).__name__ if submodule else key), []).append(key)
-    for (changed, _), keys in alike.items():
+            group = (
+                ", ".join(changed.values()),
+                type(part).__name__ if submodule else key,
+                bool(buffers.keys() & changed),
+            )
+            alike.setdefault(group, []).append(key)
+    for (changed, _, buffered), keys in alike.items():
         part, key = parts[keys[0]], keys[0]
         keeps = "state_dict and load_state_dict keep"  # a callback's
         whose = type(part).__name__
@@ -72,8 +79,11 @@ def unsaved_notes(saved: dict[str, Any], trainer: L.Trainer) -> list[str]:
         elif key.startswith("self."):
             keeps = "a buffer (register_buffer) keeps"
             whose = f"{key}{f' and {len(keys) - 1} more' if len(keys) > 1 else ''} ({whose})"
+        what = "a plain attribute"
+        if buffered:  # state_dict leaves it out
+            what, keeps = "a buffer registered with persistent=False", "a buffer registered with persistent=True keeps"
         out.append(
-            f"{changed} of {whose}: a plain attribute, in no checkpoint, differs from the saved run's at this first "
+            f"{changed} of {whose}: {what}, in no checkpoint, differs from the saved run's at this first "
             f"batch: a count goes on from here ({keeps} one); a cache or a clock does not matter"
         )
     return out
@@ -108,10 +118,12 @@ def _users_own(cls: type) -> bool:
 
 def _plain_values(part: Any) -> dict[str, str]:
     """The ``repr`` of each number, bool or small tensor ``part`` holds as a plain attribute of its own, not one
-    Lightning's or torch's base classes set. (A tensor assigned to a module's attribute is plain unless registered as
-    a parameter or buffer.) Strings are left out: a token or an address a callback holds would go into every
-    checkpoint."""
-    return {name: _said(value) for name, value in vars(part).items() if name not in _BASE_ATTRIBUTES and _plain(value)}
+    Lightning's or torch's base classes set, or as a buffer registered with ``persistent=False``. (A tensor assigned
+    to a module's attribute is plain unless registered as a parameter or buffer.) Strings are left out: a token or an
+    address a callback holds would go into every checkpoint."""
+    unsaved = unsaved_buffers(part) if isinstance(part, torch.nn.Module) else {}
+    values = {**vars(part), **unsaved}
+    return {name: _said(value) for name, value in values.items() if name not in _BASE_ATTRIBUTES and _plain(value)}
 
 
 def _plain(value: Any) -> bool:

@@ -409,6 +409,18 @@ def test_tensor_version_counts_in_place_writes():
         assert version_counter(torch.zeros(1)) is None
 
 
+def test_module_non_persistent_buffers_set_names_the_buffers_state_dict_leaves_out():
+    from steadfast.compat import LightningChanged
+    from steadfast.compat_torch import unsaved_buffers
+
+    module = torch.nn.BatchNorm1d(2)  # its running stats are saved
+    module.register_buffer("calls", torch.zeros(()), persistent=False)
+    assert list(unsaved_buffers(module)) == ["calls"] and "calls" not in module.state_dict()
+    del module._non_persistent_buffers_set
+    with pytest.raises(LightningChanged, match="_non_persistent_buffers_set"):
+        unsaved_buffers(module)
+
+
 def test_torch_crc32_setting_is_per_thread_so_other_threads_keep_their_checksums(tmp_path):
     """torch's serialization config holds overrides per thread (``torch.utils._config_module``): the checkpoint
     writer's no-CRC save never reaches a ``torch.save`` on another thread."""

@@ -36,6 +36,9 @@ class Parts(L.LightningModule):
         self.layer = torch.nn.Linear(2, 2)  # torch's: settings (in_features), not recorded
         self.quantize = FakeQuantize()  # torch's too, though abc.ABC, which is in no site-packages, is among its bases
         self.blocks = torch.nn.ModuleList([SampleWarmup() for _ in range(3)])
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64), persistent=False)  # in no state_dict
+        self.register_buffer("kept", torch.zeros((), dtype=torch.int64))  # in the state_dict: not recorded
+        self.register_buffer("table", torch.arange(64.0), persistent=False)  # a cache, over 16 values: not recorded
 
 
 def test_the_record_covers_the_module_and_its_submodules_of_ones_own_not_torchs_layers_nor_metrics():
@@ -45,18 +48,22 @@ def test_the_record_covers_the_module_and_its_submodules_of_ones_own_not_torchs_
     for block in module.blocks:
         block.seen = 64
     module.hits.update(torch.tensor(5))
+    module.calls += 7
+    module.kept += 2
     saved = record_unsaved(trainer)
     blocks = {f"self.blocks.{i}": {"seen": "64"} for i in range(3)}
-    assert saved["values"] == {"": {"steps": "3"}, "self.warmup": {"seen": "96"}, **blocks}
+    assert saved["values"] == {"": {"calls": "7", "steps": "3"}, "self.warmup": {"seen": "96"}, **blocks}
     fresh = Parts()  # a resume's module: every count afresh
     notes = unsaved_notes(saved, SimpleNamespace(lightning_module=fresh, callbacks=[]))
     assert [note.split(":")[0] for note in notes] == [
-        "steps (3 saved, 0 now) of Parts",
+        "calls (7 saved, 0 now), steps (3 saved, 0 now) of Parts",
         "seen (64 saved, 0 now) of self.blocks.0 and 2 more (SampleWarmup)",  # the same change in each: said once
         "seen (96 saved, 0 now) of self.warmup (SampleWarmup)",
     ]
+    assert "a buffer registered with persistent=False, in no checkpoint, differs" in notes[0], notes[0]
+    assert "(a buffer registered with persistent=True keeps one)" in notes[0], notes[0]
     assert "a buffer (register_buffer) keeps one" in notes[1]
-    fresh.steps, fresh.warmup.seen = 3, 96
+    fresh.steps, fresh.warmup.seen, fresh.calls = 3, 96, torch.tensor(7)
     for block in fresh.blocks:
         block.seen = 64
     assert unsaved_notes(saved, SimpleNamespace(lightning_module=fresh, callbacks=[])) == []

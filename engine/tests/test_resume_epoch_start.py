@@ -232,14 +232,24 @@ def test_a_list_the_module_fills_in_training_is_named_on_a_resume_mid_epoch(tmp_
            "no checkpoint holds" in start, start  # fmt: skip
 
 
-@pytest.mark.parametrize("model", ["Counting", "CountingOnTheDevice", "CountingInASubmodule", "CountingKept"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        "Counting",
+        "CountingOnTheDevice",
+        "CountingInASubmodule",
+        pytest.param("CountingInAnUnsavedBuffer", marks=pytest.mark.long),  # test_plain_state checks it in make test
+        "CountingKept",
+    ],
+)
 def test_a_count_the_module_keeps_in_a_plain_attribute_is_named_on_a_resume_unless_its_checkpoint_holds_it(
     model, tmp_path, capsys
 ):
     """``self.seen``, the samples trained on, warms the loss up: a plain attribute (an int, or a tensor that is no
-    buffer, or one in a submodule of the user's own), in no checkpoint, so a resume restarts it at 0 and trains on
-    another curve under ``resume verified`` (1.28e-2 off, measured). The start line names it with both values. Kept by
-    the module's ``on_save_checkpoint`` / ``on_load_checkpoint``, it resumes bit-equal and is not named."""
+    buffer, or one in a submodule of the user's own) or a buffer registered with ``persistent=False``, in no
+    checkpoint, so a resume restarts it at 0 and trains on another curve under ``resume verified`` (1.28e-2 off,
+    measured). The start line names it with both values. Kept by the module's ``on_save_checkpoint`` /
+    ``on_load_checkpoint``, it resumes bit-equal and is not named."""
     kept = model == "CountingKept"
     flags = [*BASE, "--model", f"tests.fixtures.epoch_start.{model}", *saving_every(13)]
     cli_in_process("fit", *flags, root=tmp_path / "reference")
@@ -251,7 +261,8 @@ def test_a_count_the_module_keeps_in_a_plain_attribute_is_named_on_a_resume_unle
     got = torch.load(_last(tmp_path / "resumed"), weights_only=True)
     diff = max_abs_diff(got["state_dict"], ref["state_dict"])
     whose = "self.warmup (SampleWarmup)" if model == "CountingInASubmodule" else model
-    named = f"seen (832 saved, 0 now) of {whose}: a plain attribute, in no checkpoint, differs"
+    what = "a buffer registered with persistent=False" if model == "CountingInAnUnsavedBuffer" else "a plain attribute"
+    named = f"seen (832 saved, 0 now) of {whose}: {what}, in no checkpoint, differs"
     if kept:
         assert diff == 0.0 and "seen (" not in start, (diff, start)
     else:  # the precondition: the resumed run really differs
