@@ -50,7 +50,7 @@ from steadfast.speed.profiler import NoProfiler
 from steadfast.speed.switches import MatmulPrecision, Speed, SpeedSwitch
 from steadfast.stream_resume import StreamResume
 from steadfast.trainable import Trainable
-from steadfast.tuners import leave_out_on_a_resume
+from steadfast.tuners import TunersOnceARun
 from steadfast.user_loaders import UserLoaders
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -252,10 +252,10 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         for spikes in [c for c in callbacks if isinstance(c, SpikeDetection)]:
             spike_detection_loads_its_state(spikes)  # Lightning 2.6's own load fails: a resume would end in a traceback
         if self.subcommand == "fit":  # a tuner searches in the run's first fit only
-            resuming = self.config["fit"].get("ckpt_path") is not None
-            callbacks, not_again = leave_out_on_a_resume(callbacks, resuming, resume)
+            tuners = TunersOnceARun(resuming=self.config["fit"].get("ckpt_path") is not None, resume=resume)
+            callbacks.append(tuners)  # the config's and configure_callbacks', found at the fit's setup
             if guarantees is not None:
-                guarantees.tuners_not_run_again = not_again
+                guarantees.tuners = tuners
         # What judges the run, found once and handed to what reads its best (the summary, a sweep's trial), to the
         # resume record (which names it in each checkpoint) and to after_fit / the sweep
         self.judge = judge_of(callbacks, monitor)

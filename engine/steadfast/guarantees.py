@@ -18,6 +18,7 @@ from steadfast.resume import ExactResume
 from steadfast.runs import RunPlan
 from steadfast.speed.switches import SpeedSwitch
 from steadfast.stream_resume import StreamLoader, StreamResume, saves_its_state
+from steadfast.tuners import TunersOnceARun
 from steadfast.user_loaders import UserLoaders
 
 
@@ -45,7 +46,7 @@ class Guarantees(Callback):
         self.plan, self.unknown_loggers, self.policy, self.streams = plan, unknown_loggers, policy, streams
         self.resume, self.loaders = resume, loaders  # what verifies a resume; what says what each loader gives up
         self.switches = list(switches or [])  # the speed switches on (``speed.Speed``'s and the config's)
-        self.tuners_not_run_again: list[str] = []  # a resume's tuners left out (``steadfast.tuners``)
+        self.tuners: TunersOnceARun | None = None  # what a fit's tuners do (a resume leaves them out)
         self._to_print = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -160,7 +161,7 @@ class Guarantees(Callback):
             f"{name}: not run on this resume (nor at a later epoch, for a subclass that searches there), which "
             "continues with the rate and batch size the checkpoint holds (its search would leave the checkpoint's "
             "optimizer, schedule and step unrestored)"
-            for name in self.tuners_not_run_again
+            for name in (self.tuners.not_run_again if self.tuners is not None else [])
         ]
         if verdict is not None:  # a resume: what its first batch showed
             exact = verdict[1] + ("; see opts out" if out else "")

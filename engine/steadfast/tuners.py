@@ -10,8 +10,6 @@ So a fit of the engine's runs a tuner once, in the run's first fit: a resume con
 learning rate is in the checkpoint's optimizer; the batch size is the one the checkpoint's run trained with), and the
 start line names the tuner as not run again."""
 
-from typing import Any
-
 import lightning as L
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
@@ -25,23 +23,34 @@ TUNERS = (LearningRateFinder, BatchSizeFinder)
 
 
 class TunersOnceARun(Callback):
-    """Built by the CLI for a fit with tuners among its callbacks (``leave_out_on_a_resume``). In a fresh fit: what
-    their temporary checkpoint loads is not a resume's (``ExactResume.loads_are_a_tuners``, whose shape would be
-    taken for the global batch to keep), and the fit stays fresh after their search. On a resume: a left-out
-    ``BatchSizeFinder``'s attribute gets the per-device batch size of the checkpoint's run (the engine's record of
-    its shape, read as the checkpoint loads: before the train loader is built whatever the strategy)."""
+    """Built by the CLI for every fit. At the fit's setup it finds the tuners among the Trainer's callbacks, where
+    those a module's ``configure_callbacks`` returns have joined the config's. In a fresh fit: what their temporary
+    checkpoint loads is not a resume's (``ExactResume.loads_are_a_tuners``, whose shape would be taken for the global
+    batch to keep), and the fit stays fresh after their search. On a resume they are left out (``not_run_again``,
+    which the start line names), and a left-out ``BatchSizeFinder``'s attribute gets the per-device batch size of the
+    checkpoint's run (the engine's record of its shape, read as the checkpoint loads: before the train loader is
+    built whatever the strategy)."""
 
-    def __init__(
-        self, resuming: bool, batch_size_names: list[str], resume: ExactResume, lr_finders: list[LearningRateFinder]
-    ) -> None:
-        self.resuming, self.batch_size_names, self.resume = resuming, batch_size_names, resume
-        self.lr_finders = lr_finders
+    def __init__(self, resuming: bool, resume: ExactResume) -> None:
+        self.resuming, self.resume = resuming, resume
+        self.not_run_again: list[str] = []
+        self.batch_size_names: list[str] = []
+        self.lr_finders: list[LearningRateFinder] = []
+        self.searched = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.resume.loads_are_a_tuners = not self.resuming and stage == "fit"
+        tuners = [c for c in trainer.callbacks if isinstance(c, TUNERS)] if stage == "fit" else []
+        self.searched = bool(tuners) and not self.resuming
+        self.resume.loads_are_a_tuners = self.searched
+        self.lr_finders = [c for c in tuners if isinstance(c, LearningRateFinder)]
+        if self.resuming and tuners:
+            self.not_run_again = [type(c).__name__ for c in tuners]
+            self.batch_size_names = [batch_size_finders_attribute(c) for c in tuners if isinstance(c, BatchSizeFinder)]
+            # a new list: Lightning is still going through the old one, calling each callback's setup
+            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, TUNERS)]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.resuming:  # after the tuners' own on_fit_start (Lightning lists tuners first)
+        if self.searched:  # after the tuners' own on_fit_start (Lightning lists tuners first)
             self.resume.loads_are_a_tuners = False
             trainer.ckpt_path = None
             for finder in self.lr_finders:
@@ -78,15 +87,3 @@ def _start_the_schedules_from(trainer: L.Trainer, finder: LearningRateFinder) ->
     for config in trainer.lr_scheduler_configs:
         if isinstance(config.scheduler, LinearWarmupCosineAnnealingLR):
             config.scheduler.start_from([found] * len(config.scheduler.base_lrs))
-
-
-def leave_out_on_a_resume(callbacks: list[Any], resuming: bool, resume: ExactResume) -> tuple[list[Any], list[str]]:
-    """The callbacks of a fit, with its tuners left out where it resumes, and their names for the start line."""
-    tuners = [c for c in callbacks if isinstance(c, TUNERS)]
-    if not tuners:
-        return callbacks, []
-    sizes = [batch_size_finders_attribute(c) for c in tuners if isinstance(c, BatchSizeFinder)]
-    kept = [c for c in callbacks if not (resuming and isinstance(c, TUNERS))]
-    left_out = [type(c).__name__ for c in tuners] if resuming else []
-    finders = [c for c in tuners if isinstance(c, LearningRateFinder)]
-    return [*kept, TunersOnceARun(resuming, sizes if resuming else [], resume, finders)], left_out

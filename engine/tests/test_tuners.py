@@ -24,20 +24,23 @@ def _start_lines(out: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("tuner", "model"),
-    [("LearningRateFinder", []), ("BatchSizeFinder", []),
-     ("LearningRateFinder", ["--model", "tests.fixtures.epoch_start.PlainRate"])],
-    ids=["LearningRateFinder", "BatchSizeFinder", "LearningRateFinder-on-self.lr"],
+    ("tuner", "flags"),
+    [("LearningRateFinder", TUNERS["LearningRateFinder"]), ("BatchSizeFinder", TUNERS["BatchSizeFinder"]),
+     ("LearningRateFinder", [*TUNERS["LearningRateFinder"], "--model", "tests.fixtures.epoch_start.PlainRate"]),
+     ("LearningRateFinder", ["--model", "tests.fixtures.epoch_start.FindsItsRate"])],
+    ids=["LearningRateFinder", "BatchSizeFinder", "LearningRateFinder-on-self.lr", "from-configure_callbacks"],
 )  # fmt: skip
-def test_a_tuners_run_resumes_exactly_with_what_it_found_and_without_searching_again(tuner, model, tmp_path, capsys):
+def test_a_tuners_run_resumes_exactly_with_what_it_found_and_without_searching_again(tuner, flags, tmp_path, capsys):
     """The tuner searches at the fit's start (a rate of 5e-4 where the config says 3e-3; a batch of 8 where it says
     64). It saves, trains on and restores a temporary checkpoint, which Lightning then took for the fit's: a fresh
     run's start line was a resume's, and on a resume that restore consumed the checkpoint, so Lightning restored no
     optimizer, schedule or step (3.7e-2 off the uninterrupted run; a BatchSizeFinder's resume was refused in one line
     as another global batch). Now the fresh run says so, and the resume continues with what the search found,
     without a second search: bit-equal. A module's own ``self.lr``, where the finder wrote its rate, has it again on
-    the resume (it had the config's, named as a plain attribute that differs)."""
-    flags = [*BASE, *TUNERS[tuner], *model]
+    the resume (it had the config's, named as a plain attribute that differs). A tuner the module's
+    ``configure_callbacks`` returns, which joins the Trainer's callbacks at the fit's setup, is run once as well (it
+    searched again on a resume, under ``exact resume``)."""
+    flags = [*BASE, *flags]
     reference = cli_in_process("fit", *flags, root=tmp_path / "reference")
     last = crash_in_process(10, *flags, root=tmp_path / "resumed")
     fresh = _start_lines(capsys.readouterr().out)
