@@ -253,7 +253,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             spike_detection_loads_its_state(spikes)  # Lightning 2.6's own load fails: a resume would end in a traceback
         if self.subcommand == "fit":  # a tuner searches in the run's first fit only
             tuners = TunersOnceARun(resuming=self.config["fit"].get("ckpt_path") is not None, resume=resume)
-            callbacks.append(tuners)  # the config's and configure_callbacks', found at the fit's setup
+            callbacks = [*tuners.leave_out(callbacks), tuners]  # configure_callbacks' are found at the fit's setup
             if guarantees is not None:
                 guarantees.tuners = tuners
         # What judges the run, found once and handed to what reads its best (the summary, a sweep's trial), to the

@@ -37,10 +37,10 @@ def set_last_lr(scheduler: Any, lrs: list[float]) -> None:
 
 def unsaved_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``module``'s own buffers registered with ``persistent=False``, which its ``state_dict`` (so every checkpoint)
-    leaves out."""
+    leaves out; ``None`` for one registered or set so (a cache filled later)."""
     if not isinstance(getattr(module, "_non_persistent_buffers_set", None), set):
         raise LightningChanged("torch's Module._non_persistent_buffers_set (the buffers state_dict leaves out) is gone")
-    return {name: b for name, b in module.named_buffers(recurse=False) if name in module._non_persistent_buffers_set}
+    return {name: b for name, b in module._buffers.items() if name in module._non_persistent_buffers_set}
 
 
 def version_counter(t: torch.Tensor) -> int | None:

@@ -53,23 +53,21 @@ def unsaved_notes(saved: dict[str, Any], trainer: L.Trainer) -> list[str]:
             "self.log(..., on_epoch=True) or a torchmetrics metric keeps such a value"
         )
     parts = _users_parts(trainer)
-    alike: dict[tuple[str, str, bool], list[str]] = {}  # the same change in layers of one class (24 blocks) said once
+    # one note per kind of value and per change: the same change in layers of one class (24 blocks) is said once
+    alike: dict[tuple[str, str, bool], list[str]] = {}
     for key, values in sorted(saved.get("values", {}).items()):
         part = parts.get(key)
+        if part is None:
+            continue
         buffers = unsaved_buffers(part) if isinstance(part, torch.nn.Module) else {}
-        changed = {
-            name: f"{name} ({_short(was)} saved, {_short(now)} now)"
+        changed = [
+            (name in buffers, f"{name} ({_short(was)} saved, {_short(now)} now)")
             for name, was in sorted(values.items())
-            if part is not None and (now := _said(getattr(part, name, None))) != was
-        }
-        if changed:
-            submodule = key.startswith("self.")
-            group = (
-                ", ".join(changed.values()),
-                type(part).__name__ if submodule else key,
-                bool(buffers.keys() & changed),
-            )
-            alike.setdefault(group, []).append(key)
+            if (now := _said(getattr(part, name, None))) != was
+        ]
+        for buffered in sorted({kind for kind, _ in changed}):  # the plain attributes' note first
+            said = ", ".join(item for kind, item in changed if kind == buffered)
+            alike.setdefault((said, type(part).__name__ if key.startswith("self.") else key, buffered), []).append(key)
     for (changed, _, buffered), keys in alike.items():
         part, key = parts[keys[0]], keys[0]
         keeps = "state_dict and load_state_dict keep"  # a callback's
@@ -121,8 +119,7 @@ def _plain_values(part: Any) -> dict[str, str]:
     Lightning's or torch's base classes set, or as a buffer registered with ``persistent=False``. (A tensor assigned
     to a module's attribute is plain unless registered as a parameter or buffer.) Strings are left out: a token or an
     address a callback holds would go into every checkpoint."""
-    unsaved = unsaved_buffers(part) if isinstance(part, torch.nn.Module) else {}
-    values = {**vars(part), **unsaved}
+    values = {**vars(part), **(unsaved_buffers(part) if isinstance(part, torch.nn.Module) else {})}
     return {name: _said(value) for name, value in values.items() if name not in _BASE_ATTRIBUTES and _plain(value)}
 
 
@@ -137,7 +134,10 @@ def _plain(value: Any) -> bool:
 def _said(value: Any) -> str:
     if not _plain(value) and value is not None:
         return f"a {type(value).__name__}"
-    return repr(value.tolist() if torch.is_tensor(value) else value)
+    try:
+        return repr(value.tolist() if torch.is_tensor(value) else value)
+    except RuntimeError:  # a dtype with no Python scalar (quantized, packed float4, bits8)
+        return f"a {value.dtype} tensor"
 
 
 def _short(said: str) -> str:

@@ -10,6 +10,8 @@ So a fit of the engine's runs a tuner once, in the run's first fit: a resume con
 learning rate is in the checkpoint's optimizer; the batch size is the one the checkpoint's run trained with), and the
 start line names the tuner as not run again."""
 
+from typing import Any
+
 import lightning as L
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
@@ -23,13 +25,14 @@ TUNERS = (LearningRateFinder, BatchSizeFinder)
 
 
 class TunersOnceARun(Callback):
-    """Built by the CLI for every fit. At the fit's setup it finds the tuners among the Trainer's callbacks, where
-    those a module's ``configure_callbacks`` returns have joined the config's. In a fresh fit: what their temporary
-    checkpoint loads is not a resume's (``ExactResume.loads_are_a_tuners``, whose shape would be taken for the global
-    batch to keep), and the fit stays fresh after their search. On a resume they are left out (``not_run_again``,
-    which the start line names), and a left-out ``BatchSizeFinder``'s attribute gets the per-device batch size of the
+    """Built by the CLI for every fit. On a resume the tuners are left out: the config's before the Trainer is built
+    (``leave_out``: a ``BatchSizeFinder``'s own ``setup`` refuses DDP, which a resume may run on), the module's
+    ``configure_callbacks``' at the fit's setup, where they have joined the Trainer's callbacks; the start line names
+    each (``not_run_again``), and a left-out ``BatchSizeFinder``'s attribute gets the per-device batch size of the
     checkpoint's run (the engine's record of its shape, read as the checkpoint loads: before the train loader is
-    built whatever the strategy)."""
+    built whatever the strategy). In a fresh fit: what the tuners' temporary checkpoint loads is not a resume's
+    (``ExactResume.loads_are_a_tuners``, whose shape would be taken for the global batch to keep), and the fit stays
+    fresh after their search."""
 
     def __init__(self, resuming: bool, resume: ExactResume) -> None:
         self.resuming, self.resume = resuming, resume
@@ -38,16 +41,29 @@ class TunersOnceARun(Callback):
         self.lr_finders: list[LearningRateFinder] = []
         self.searched = False
 
+    def leave_out(self, callbacks: list[Any]) -> list[Any]:
+        """``callbacks`` without their tuners on a resume, as they are otherwise."""
+        return [c for c in callbacks if not self._left_out(c)]
+
+    def _left_out(self, callback: Any) -> bool:
+        if not (self.resuming and isinstance(callback, TUNERS)):
+            return False
+        self.not_run_again.append(type(callback).__name__)
+        if isinstance(callback, BatchSizeFinder):
+            self.batch_size_names.append(batch_size_finders_attribute(callback))
+        else:  # the attribute it set gets the rate it found again
+            self.lr_finders.append(callback)
+        return True
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        tuners = [c for c in trainer.callbacks if isinstance(c, TUNERS)] if stage == "fit" else []
-        self.searched = bool(tuners) and not self.resuming
+        if stage != "fit":
+            return
+        if self.resuming:  # a new list: Lightning is still going through the old one, calling each callback's setup
+            trainer.callbacks = self.leave_out(trainer.callbacks)
+            return
+        self.lr_finders = [c for c in trainer.callbacks if isinstance(c, LearningRateFinder)]
+        self.searched = any(isinstance(c, TUNERS) for c in trainer.callbacks)
         self.resume.loads_are_a_tuners = self.searched
-        self.lr_finders = [c for c in tuners if isinstance(c, LearningRateFinder)]
-        if self.resuming and tuners:
-            self.not_run_again = [type(c).__name__ for c in tuners]
-            self.batch_size_names = [batch_size_finders_attribute(c) for c in tuners if isinstance(c, BatchSizeFinder)]
-            # a new list: Lightning is still going through the old one, calling each callback's setup
-            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, TUNERS)]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.searched:  # after the tuners' own on_fit_start (Lightning lists tuners first)

@@ -39,6 +39,9 @@ class Parts(L.LightningModule):
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64), persistent=False)  # in no state_dict
         self.register_buffer("kept", torch.zeros((), dtype=torch.int64))  # in the state_dict: not recorded
         self.register_buffer("table", torch.arange(64.0), persistent=False)  # a cache, over 16 values: not recorded
+        self.register_buffer("lazy", None, persistent=False)  # a cache filled in training: None on a resume
+        packed = torch.zeros(2, dtype=torch.uint8).view(torch.bits8)  # no Python scalars: tolist raises
+        self.register_buffer("packed", packed, persistent=False)
 
 
 def test_the_record_covers_the_module_and_its_submodules_of_ones_own_not_torchs_layers_nor_metrics():
@@ -50,20 +53,24 @@ def test_the_record_covers_the_module_and_its_submodules_of_ones_own_not_torchs_
     module.hits.update(torch.tensor(5))
     module.calls += 7
     module.kept += 2
+    module.lazy = torch.ones(2)
     saved = record_unsaved(trainer)
     blocks = {f"self.blocks.{i}": {"seen": "64"} for i in range(3)}
-    assert saved["values"] == {"": {"calls": "7", "steps": "3"}, "self.warmup": {"seen": "96"}, **blocks}
+    module_values = {"calls": "7", "lazy": "[1.0, 1.0]", "packed": "a torch.bits8 tensor", "steps": "3"}
+    assert saved["values"] == {"": module_values, "self.warmup": {"seen": "96"}, **blocks}
     fresh = Parts()  # a resume's module: every count afresh
     notes = unsaved_notes(saved, SimpleNamespace(lightning_module=fresh, callbacks=[]))
     assert [note.split(":")[0] for note in notes] == [
-        "calls (7 saved, 0 now), steps (3 saved, 0 now) of Parts",
+        "steps (3 saved, 0 now) of Parts",  # a plain attribute and buffers: a note each, each with its own advice
+        "calls (7 saved, 0 now), lazy ([1.0, 1.0] saved, None now) of Parts",
         "seen (64 saved, 0 now) of self.blocks.0 and 2 more (SampleWarmup)",  # the same change in each: said once
         "seen (96 saved, 0 now) of self.warmup (SampleWarmup)",
     ]
-    assert "a buffer registered with persistent=False, in no checkpoint, differs" in notes[0], notes[0]
-    assert "(a buffer registered with persistent=True keeps one)" in notes[0], notes[0]
-    assert "a buffer (register_buffer) keeps one" in notes[1]
-    fresh.steps, fresh.warmup.seen, fresh.calls = 3, 96, torch.tensor(7)
+    assert "a plain attribute, in no checkpoint" in notes[0] and "on_load_checkpoint keep one" in notes[0], notes[0]
+    assert "a buffer registered with persistent=False, in no checkpoint, differs" in notes[1], notes[1]
+    assert "(a buffer registered with persistent=True keeps one)" in notes[1], notes[1]
+    assert "a buffer (register_buffer) keeps one" in notes[2]
+    fresh.steps, fresh.warmup.seen, fresh.calls, fresh.lazy = 3, 96, torch.tensor(7), torch.ones(2)
     for block in fresh.blocks:
         block.seen = 64
     assert unsaved_notes(saved, SimpleNamespace(lightning_module=fresh, callbacks=[])) == []

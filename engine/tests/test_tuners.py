@@ -61,3 +61,21 @@ def test_a_tuners_run_resumes_exactly_with_what_it_found_and_without_searching_a
     assert got["global_step"] == ref["global_step"] == 24
     assert max_abs_diff(got["state_dict"], ref["state_dict"]) == 0.0
     assert max_abs_diff(got["optimizer_states"], ref["optimizer_states"]) == 0.0
+
+
+def test_a_resume_takes_the_configs_tuners_out_before_the_trainer_is_built():
+    """A ``BatchSizeFinder``'s own ``setup`` refuses DDP, which a resume may run on (elastic): the config's tuners are
+    taken out of the callbacks the Trainer is built with, not at the fit's setup, where only the module's
+    ``configure_callbacks``' are (Lightning runs their ``setup`` first, as it would without the engine)."""
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, ModelSummary
+
+    from steadfast.resume import ExactResume
+    from steadfast.tuners import TunersOnceARun
+
+    other, finders = ModelSummary(), [BatchSizeFinder(batch_arg_name="batch_size"), LearningRateFinder()]
+    resuming = TunersOnceARun(resuming=True, resume=ExactResume(None))
+    assert resuming.leave_out([finders[0], other, finders[1]]) == [other]
+    assert resuming.not_run_again == ["BatchSizeFinder", "LearningRateFinder"]
+    assert resuming.batch_size_names == ["batch_size"] and resuming.lr_finders == [finders[1]]
+    fresh = TunersOnceARun(resuming=False, resume=ExactResume(None))
+    assert fresh.leave_out([finders[0], other]) == [finders[0], other] and fresh.not_run_again == []
