@@ -39,6 +39,7 @@ def net_weights(root, name: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in torch.load(last, weights_only=True)["state_dict"].items() if k.startswith("net.")}
 
 
+@pytest.mark.slow  # several real fits: make test runs it, make test-fast leaves it out
 def test_a_dataset_drawing_from_os_urandom_is_named_at_the_first_sample_whose_values_differ(tmp_path, capsys):
     args = [*ARGS, "--data", "tests.fixtures.unseeded.UnseededBlobs"]
     cli_in_process("fit", *args, root=tmp_path / "reference")

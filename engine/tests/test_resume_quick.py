@@ -1,6 +1,7 @@
 """The fast tier's resume check: a crashed single-process fit resumed from its mid-epoch last.ckpt ends bitwise equal
 to the uninterrupted fit (the subprocess kills, DDP and the flag matrix are in the slow tier)."""
 
+import pytest
 import torch
 
 from tests.helpers import QUIET, RUN_NAME, cli_in_process, crash_in_process
@@ -39,6 +40,7 @@ def test_resume_on_another_number_of_threads_says_it_is_not_bit_exact(tmp_path, 
     assert f"the checkpoint was computed on {threads} CPU thread(s), this run on {threads + 1}" in start, start
 
 
+@pytest.mark.slow  # several real fits: make test runs it, make test-fast leaves it out
 def test_a_net_compiled_in_configure_model_resumes_exactly_validates_and_exports_under_its_own_keys(tmp_path):
     """``torch.compile`` in ``configure_model`` saves the network as ``net._orig_mod.*``. The check before a run
     built the module without ``configure_model`` and refused every resume and validate of such a checkpoint ("a

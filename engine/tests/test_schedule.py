@@ -197,6 +197,7 @@ def test_a_schedule_in_epochs_resumes_on_its_runs_curve_when_the_epochs_change_l
     assert max_abs_diff(got["optimizer_states"], ref["optimizer_states"]) == 0.0
 
 
+@pytest.mark.slow  # several real fits: make test runs it, make test-fast leaves it out
 def test_a_resume_whose_learning_rate_is_not_the_checkpoints_says_no_with_both_rates(tmp_path, capsys):
     """A 4-epoch run (6 steps an epoch, warmup 1 epoch, the schedule spanning the run) killed after its step-8 save
     and resumed with ``max_epochs`` 6: the schedule is fitted to 36 steps where the checkpoint's run had 24, so step 9

@@ -17,6 +17,7 @@ FINETUNED = [*QUIET, "--trainer.max_epochs", "3", "--trainer.limit_train_batches
              "--trainer.callbacks.save_last=true", "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
 
 
+@pytest.mark.slow  # several real fits: make test runs it, make test-fast leaves it out
 def test_a_resume_after_the_unfreeze_trains_the_unfrozen_block_as_the_uninterrupted_run(tmp_path, capsys):
     """6 steps an epoch, the block unfrozen at epoch 1; the crash at step 17 leaves last.ckpt of step 16 (epoch 2,
     where Lightning's callback unfreezes nothing): resumed, the block trains and its BatchNorm tracks, bit-equal to the
@@ -38,6 +39,7 @@ def test_a_resume_after_the_unfreeze_trains_the_unfrozen_block_as_the_uninterrup
     assert max_abs_diff({k: got[k] for k in ref}, ref) == 0.0
 
 
+@pytest.mark.slow  # several real fits: make test runs it, make test-fast leaves it out
 def test_a_checkpoint_before_the_unfreeze_keeps_the_block_frozen_until_its_epoch(tmp_path):
     """Frozen at the save (step 4, epoch 0): the record names the block, and the resumed run leaves it to Lightning's
     callback to unfreeze at epoch 1, bit-equal to the uninterrupted run."""
@@ -52,6 +54,7 @@ def test_a_checkpoint_before_the_unfreeze_keeps_the_block_frozen_until_its_epoch
     assert max_abs_diff(torch.load(last, weights_only=True)["state_dict"], ref) == 0.0
 
 
+@pytest.mark.slow  # several real fits: make test runs it, make test-fast leaves it out
 def test_a_resume_from_the_last_batch_end_before_the_unfreeze_unfreezes_at_the_epoch_it_starts(tmp_path):
     """A checkpoint of step 6, epoch 0's last batch end (a ModelCheckpoint every 6 steps keeping each file), taken
     with the block frozen; the block unfreezes at epoch 1, which the resume starts: the record keeps it frozen, and
