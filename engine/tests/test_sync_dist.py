@@ -40,14 +40,24 @@ def test_the_splits_leave_ranks_unequal_counts_whose_mean_is_no_integer():
     assert all(SIZES["train"] % (BATCH * n) == 0 for n in RANKS)
 
 
-@pytest.mark.parametrize("subcommand", ["validate", pytest.param("test", marks=pytest.mark.long)])  # the same loop
-def test_evaluation_means_on_one_two_and_three_ranks_are_the_single_process_ones(tmp_path, subcommand):
+@pytest.mark.parametrize(
+    ("subcommand", "ranks"),
+    [
+        ("validate", (1, 3)),
+        # CI and make test-all: 2 ranks' unequal split (51/50) is the same guarantee as 3 ranks' (34/34/33), which
+        # make test checks in [validate-1-3] above (a 2-rank DDP start less there)
+        pytest.param("validate", (1, 2), marks=pytest.mark.long),
+        pytest.param("test", RANKS, marks=pytest.mark.long),  # the same loop
+    ],
+    ids=lambda x: "-".join(map(str, x)) if isinstance(x, tuple) else x,
+)
+def test_evaluation_means_on_one_two_and_three_ranks_are_the_single_process_ones(tmp_path, subcommand, ranks):
     stage = "val" if subcommand == "validate" else "test"
     exact = closed_form(stage)
-    logged = {n: last_values(tmp_path / f"ranks{n}", subcommand, *on_ranks(n)) for n in RANKS}
+    logged = {n: last_values(tmp_path / f"ranks{n}", subcommand, *on_ranks(n)) for n in ranks}
     for name, mean in exact.items():
-        values = " / ".join(f"{logged[n][stage + '/' + name]:.7g}" for n in RANKS)
-        print(f"{stage}/{name} on 1/2/3 ranks: {values} (all samples: {mean:.7g})")
+        values = " / ".join(f"{logged[n][stage + '/' + name]:.7g}" for n in ranks)
+        print(f"{stage}/{name} on {'/'.join(map(str, ranks))} ranks: {values} (all samples: {mean:.7g})")
     for n, values in logged.items():  # untrained weights, seeded alike: the same loss on any number of ranks
         assert values[f"{stage}/loss"] == pytest.approx(logged[1][f"{stage}/loss"], rel=1e-6), (n, values)
         for name, mean in exact.items():
