@@ -144,10 +144,27 @@ def test_torchs_runtime_error_on_a_full_disk_is_reported_as_the_disk_and_keeps_e
     io.teardown()
 
 
-@pytest.mark.slow  # three real fits in subprocesses (~20 s)
-def test_a_full_disk_ends_the_fit_in_one_line_and_the_command_it_prints_resumes_once_space_is_freed(small_disk):
-    cwd = small_disk.path
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory) -> Path:
+    """A folder holding one finished 1-epoch fit (runs/<RUN_NAME>/version_0, last.ckpt of step 3): the earlier run
+    both tests below resume, fitted once and copied (``earlier_run``) rather than once a test."""
+    cwd = tmp_path_factory.mktemp("one_epoch")
     cli("fit", *ARGS, "--trainer.max_epochs", "1", cwd=cwd)
+    return cwd
+
+
+def earlier_run(one_epoch: Path, cwd: Path) -> None:
+    """``one_epoch``'s runs/ copied into ``cwd``; ``cp -a`` keeps the names of one checkpoint file one file (hard
+    links: what a 6 MB disk holds) and the mtimes that ``--ckpt_path last`` goes by."""
+    subprocess.run(["cp", "-a", str(one_epoch / "runs"), str(cwd)], check=True)
+
+
+@pytest.mark.slow  # two real fits in subprocesses, after the shared first one
+def test_a_full_disk_ends_the_fit_in_one_line_and_the_command_it_prints_resumes_once_space_is_freed(
+    small_disk, one_epoch
+):
+    cwd = small_disk.path
+    earlier_run(one_epoch, cwd)
     folder = cwd / "runs" / RUN_NAME / "version_0" / "checkpoints"
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 3
     before = digests(folder)
@@ -168,9 +185,9 @@ def test_a_full_disk_ends_the_fit_in_one_line_and_the_command_it_prints_resumes_
     assert run_dirs(cwd) == [folder.parent]
 
 
-@pytest.mark.slow  # two real fits in subprocesses (~14 s)
-def test_a_read_only_checkpoint_folder_ends_in_the_engines_advice_not_the_clean_ups_error(tmp_path):
-    cli("fit", *ARGS, "--trainer.max_epochs", "1", cwd=tmp_path)
+@pytest.mark.slow  # a real fit in a subprocess, after the shared first one
+def test_a_read_only_checkpoint_folder_ends_in_the_engines_advice_not_the_clean_ups_error(tmp_path, one_epoch):
+    earlier_run(one_epoch, tmp_path)
     folder = tmp_path / "runs" / RUN_NAME / "version_0" / "checkpoints"
     before = digests(folder)
     with read_only(folder):
