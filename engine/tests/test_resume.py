@@ -151,6 +151,11 @@ def test_two_rank_ddp_resume_mid_epoch_is_exact(tmp_path):
               f"{ref_points[-1][1]!r} uninterrupted")  # fmt: skip
 
 
+# CI and make test-all. A SIGTERM's save of the batch in flight, exit 143 and bitwise resume are make test's in
+# test_own_callbacks.py::test_a_callbacks_list_of_ones_own_keeps_last_ckpt_sigterm_saves_and_an_exact_resume (one
+# process, mid-epoch) and test_signal_syncs.py [sigterm-read-at-the-epoch-end] (2 ranks); the logged curves after a
+# resume, in test_resume_from_mid_epoch_checkpoint_is_exact_and_says_it_verified_its_first_batch above
+@pytest.mark.long
 def test_sigterm_saves_last_and_exits_143_and_the_resume_is_exact(uninterrupted, tmp_path):
     proc = cli("fit", *BASE, *kill_at(33, signal.SIGTERM), cwd=tmp_path, check=False)
     assert proc.returncode == 143, proc.stderr[-2000:]
@@ -163,7 +168,7 @@ def test_sigterm_saves_last_and_exits_143_and_the_resume_is_exact(uninterrupted,
     assert_same_run(uninterrupted, tmp_path)
 
 
-@pytest.mark.long  # CI and make test-all; SIGTERM's save and resume above, in make test
+@pytest.mark.long  # CI and make test-all; SIGTERM's save and resume: make test's are named above
 def test_sigusr1_outside_slurm_saves_last_and_exits_as_sigterm_and_the_resume_is_exact(uninterrupted, tmp_path):
     # SIGUSR1 is what a scheduler sends ahead of a time limit (SLURM's --signal, others'); outside SLURM the engine
     # takes it as a SIGTERM (steadfast.signals.Preemption.setup). Under SLURM it is Lightning's requeue: test_launch.py
@@ -190,7 +195,7 @@ def test_sigusr1_outside_slurm_saves_last_and_exits_as_sigterm_and_the_resume_is
     assert weights == optimizer == 0.0
 
 
-@pytest.mark.long  # CI and make test-all; a signal's save and resume: the SIGTERM test
+@pytest.mark.long  # CI and make test-all; a signal's save and resume: make test's are named at the SIGTERM test
 def test_ctrl_c_saves_last_and_exits_130_and_the_resume_is_exact(uninterrupted, tmp_path):
     proc = cli("fit", *BASE, *kill_at(27, signal.SIGINT), cwd=tmp_path, check=False)
     assert proc.returncode == 130, proc.stderr[-2000:]
