@@ -93,10 +93,14 @@ def _users_parts(trainer: L.Trainer) -> dict[str, Any]:
     callback of the user's own, by state key: not Lightning's or the engine's (nor a subclass of one), nor one with a
     ``state_dict``, whose state Lightning restores."""
     parts: dict[str, Any] = {"": trainer.lightning_module}
+    # the module's own package is the user's, installed or not (a project installed as a wheel into site-packages)
+    package = type(trainer.lightning_module).__module__.partition(".")[0]
+    package = None if package in _LIBRARIES else package  # Lightning's demo modules are not
     for name, submodule in trainer.lightning_module.named_modules():
         # a torchmetrics Metric's states the engine keeps itself (steadfast.resume); its own counters are internals
         classes = [c for c in type(submodule).__mro__ if issubclass(c, torch.nn.Module)]  # not abc.ABC, Generic
-        if name and not isinstance(submodule, Metric) and any(map(_users_own, classes)):
+        ones_own = any(_users_own(c) or c.__module__.partition(".")[0] == package for c in classes)
+        if name and not isinstance(submodule, Metric) and ones_own:
             parts[f"self.{name}"] = submodule
     for callback in trainer.callbacks:
         roots = [c.__module__.partition(".")[0] for c in type(callback).__mro__ if c not in (Callback, object)]

@@ -74,3 +74,34 @@ def test_the_record_covers_the_module_and_its_submodules_of_ones_own_not_torchs_
     for block in fresh.blocks:
         block.seen = 64
     assert unsaved_notes(saved, SimpleNamespace(lightning_module=fresh, callbacks=[])) == []
+
+
+def test_submodules_of_the_modules_own_package_are_covered_when_it_is_installed_into_site_packages(
+    tmp_path, monkeypatch
+):
+    """A project installed as a wheel (``pip install .``, not ``-e``) lives in site-packages, where torch's and other
+    libraries' layers live: the classes of the module's own package are the user's there too."""
+    import sys
+
+    package = tmp_path / "lib" / "python3" / "site-packages" / "mylab_installed"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "layers.py").write_text(
+        "import torch\n\n\nclass Warmup(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.seen = 0\n"
+    )
+    (package / "models.py").write_text(
+        "import lightning as L\n\nfrom mylab_installed.layers import Warmup\n\n\nclass Lit(L.LightningModule):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.warmup = Warmup()\n"
+    )
+    monkeypatch.syspath_prepend(str(package.parent))
+    for name in ("mylab_installed", "mylab_installed.layers", "mylab_installed.models"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    from mylab_installed.models import Lit
+
+    module = Lit()
+    module.warmup.seen = 96
+    saved = record_unsaved(SimpleNamespace(lightning_module=module, callbacks=[]))
+    assert saved["values"]["self.warmup"] == {"seen": "96"}, saved
+    (note,) = unsaved_notes(saved, SimpleNamespace(lightning_module=Lit(), callbacks=[]))
+    assert note.startswith("seen (96 saved, 0 now) of self.warmup (Warmup): a plain attribute"), note
