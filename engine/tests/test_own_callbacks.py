@@ -1,13 +1,14 @@
 """A config with its own ``trainer.callbacks`` and ``trainer.plugins`` lists, the Lightning way, keeps every
 guarantee: ``last.ckpt`` on the timer, at the end and on SIGTERM, the periodic files, the LR curve, the run summary,
-an exact resume; what it switches off is said in the start line (real CLI processes)."""
+an exact resume; what it switches off is said in the start line (the real CLI: SIGTERMed runs in a process of their own,
+the others in this process)."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import QUIET, cli, run_dirs, scalars
+from tests.helpers import QUIET, cli, cli_in_process, run_dirs, scalars
 
 pytestmark = pytest.mark.slow
 
@@ -34,26 +35,30 @@ def own_config(tmp_path, name: str, more: str = "") -> str:
     return str(path)
 
 
-def test_a_callbacks_list_of_ones_own_keeps_last_ckpt_sigterm_saves_and_an_exact_resume(tmp_path):
+def test_a_callbacks_list_of_ones_own_keeps_last_ckpt_sigterm_saves_and_an_exact_resume(tmp_path, capsys):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     reference.mkdir(), resumed.mkdir()
-    proc = cli("fit", *ARGS, "--config", own_config(tmp_path, "own.yaml"), cwd=reference)
+    cli_in_process("fit", *ARGS, "--config", own_config(tmp_path, "own.yaml"), root=reference / "runs")
+    proc = capsys.readouterr()
     (run,) = run_dirs(reference)
     files = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert "last.ckpt" in files and "epoch001.ckpt" in files and "epoch=1-step=7.ckpt" in files, files
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 12
-    out = proc.stdout + proc.stderr
+    out = proc.out + proc.err
     assert "exact resume: yes" in out and "Run summary: best val/acc" in out, out[-2000:]
     assert any(tag.startswith("lr") for tag in scalars(run)), scalars(run).keys()  # LearningRateMonitor's curve
 
     # SIGTERM as step 6 begins: Lightning stops at that batch's end, last.ckpt holds step 7
-    killed = cli("fit", *ARGS, "--config", own_config(tmp_path, "term.yaml", TERM_AT_6), cwd=resumed, check=False)
+    # the root the resume in this process names (a checkpoint's callbacks restore their state in the same dirpath)
+    killed = cli("fit", *ARGS, "--config", own_config(tmp_path, "term.yaml", TERM_AT_6), "--run.root",
+                 str(resumed / "runs"), cwd=resumed, check=False)  # fmt: skip
     assert killed.returncode == 143, killed.stderr[-2000:]  # preempted: saved, then a failure for the launcher
     (run2,) = run_dirs(resumed)
     saved = torch.load(run2 / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 7 and 0 < saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"][
         "completed"] < 4  # fmt: skip  # mid-epoch: the resume below must continue inside epoch 1
-    cli("fit", *ARGS, "--config", own_config(tmp_path, "own.yaml"), "--ckpt_path", "last", cwd=resumed)
+    cli_in_process("fit", *ARGS, "--config", own_config(tmp_path, "own.yaml"), "--ckpt_path", "last",
+                   root=resumed / "runs")  # fmt: skip
     want = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     got = torch.load(run2 / "checkpoints" / "last.ckpt", weights_only=True)
     assert got["global_step"] == 12
@@ -99,27 +104,29 @@ REGRESS = [*QUIET, "--model", "tests.fixtures.kinds.DictRegress", "--data", "tes
            "--data.as_dict", "true", "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "4"]  # fmt: skip
 
 
-def test_ones_own_monitor_judges_the_run_not_the_base_configs_val_acc(tmp_path):
+def test_ones_own_monitor_judges_the_run_not_the_base_configs_val_acc(tmp_path, capsys):
     """A module logging ``val_mse`` (never the example's ``val/acc``) with its own ModelCheckpoint in its own list:
     that checkpoint is the run's best, for the summary and ``--ckpt_path best``; no best-k of the engine's."""
     config = tmp_path / "own.yaml"
     config.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
                       "      init_args: {monitor: val_mse, mode: min, save_last: true}\n")  # fmt: skip
-    proc = cli("fit", *REGRESS, "--config", str(config), cwd=tmp_path)
-    out = proc.stdout + proc.stderr
+    cli_in_process("fit", *REGRESS, "--config", str(config), root=tmp_path / "runs")
+    proc = capsys.readouterr()
+    out = proc.out + proc.err
     assert "monitor: 'val_mse' (min), the first ModelCheckpoint of trainer.callbacks; the base config's " \
            "run.monitor 'val/acc' is set aside" in out, out[-3000:]  # fmt: skip
     (run,) = run_dirs(tmp_path, "kind")
     mse = dict(scalars(run)["val_mse"])
     best_step = min(mse, key=mse.get)
-    (summary,) = [line for line in proc.stdout.splitlines() if line.startswith("Run summary:")]
+    (summary,) = [line for line in proc.out.splitlines() if line.startswith("Run summary:")]
     assert f"best val_mse {mse[best_step]:.4f}" in summary and f"step={best_step + 1}.ckpt" in summary, summary
     assert not list((run / "checkpoints").glob("best-*"))  # run.monitor's best-k was not built beside it
-    proc = cli("validate", *REGRESS, "--ckpt_path", "best", cwd=tmp_path)
-    assert f"step={best_step + 1}.ckpt (best val_mse {mse[best_step]:.4f}, mode min" in proc.stdout + proc.stderr
+    cli_in_process("validate", *REGRESS, "--ckpt_path", "best", root=tmp_path / "runs")
+    proc = capsys.readouterr()
+    assert f"step={best_step + 1}.ckpt (best val_mse {mse[best_step]:.4f}, mode min" in proc.out + proc.err
 
 
-def test_of_two_own_model_checkpoints_the_first_judges_the_run_though_the_other_saved_last(tmp_path):
+def test_of_two_own_model_checkpoints_the_first_judges_the_run_though_the_other_saved_last(tmp_path, capsys):
     """Two ModelCheckpoints of the user's with other monitors: the first (``train_mse``) is the run's, named at
     start beside the other, and ``--ckpt_path best`` ranks by it though the newest file is the other's
     (``val_mse``): the summary and ``--ckpt_path best`` name one file."""
@@ -128,18 +135,20 @@ def test_of_two_own_model_checkpoints_the_first_judges_the_run_though_the_other_
                       "      init_args: {monitor: train_mse, mode: min, filename: 'train-{step}'}\n"
                       "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
                       "      init_args: {monitor: val_mse, mode: min, save_top_k: 2}\n")  # fmt: skip
-    proc = cli("fit", *REGRESS, "--config", str(config), cwd=tmp_path)
+    cli_in_process("fit", *REGRESS, "--config", str(config), root=tmp_path / "runs")
+    proc = capsys.readouterr()
     assert "monitor: 'train_mse' (min), the first ModelCheckpoint of trainer.callbacks; another also keeps files " \
            "by 'val_mse'; the base config's run.monitor 'val/acc' is set aside (--run.monitor KEY chooses)" in \
-        proc.stdout, proc.stdout[-3000:]  # fmt: skip
+        proc.out, proc.out[-3000:]  # fmt: skip
     (run,) = run_dirs(tmp_path, "kind")
-    (summary,) = [line for line in proc.stdout.splitlines() if line.startswith("Run summary:")]
+    (summary,) = [line for line in proc.out.splitlines() if line.startswith("Run summary:")]
     best = summary.split("| best checkpoint ")[1].split(" |")[0]
     assert "best train_mse" in summary and Path(best).name.startswith("train-"), summary
     files = sorted(run.glob("checkpoints/*=*.ckpt"), key=lambda p: p.stat().st_mtime_ns)
     assert not files[-1].name.startswith("train-"), [p.name for p in files]  # precondition: the newest is val_mse's
-    proc = cli("validate", *REGRESS, "--ckpt_path", "best", cwd=tmp_path)
-    assert f"--ckpt_path best: {best} (best train_mse" in proc.stdout + proc.stderr, (proc.stderr[-2000:], best)
+    cli_in_process("validate", *REGRESS, "--ckpt_path", "best", root=tmp_path / "runs")
+    proc = capsys.readouterr()
+    assert f"--ckpt_path best: {best} (best train_mse" in proc.out + proc.err, (proc.err[-2000:], best)
 
 
 @pytest.mark.long  # CI and make test-all
