@@ -1,5 +1,6 @@
 """A run's folder is its own: runs started together never share one, and a resume that fails at its start leaves
-the run it continued byte for byte as it was (real CLI processes, real files)."""
+the run it continued byte for byte as it was (the real CLI, real files: in processes where processes race or a start's
+exit code is checked, else in this process)."""
 
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import QUIET, RUN_NAME, cli, run_dirs
+from tests.helpers import QUIET, RUN_NAME, cli, cli_in_process, run_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -54,13 +55,13 @@ def test_fits_started_together_with_one_run_name_get_folders_of_their_own(tmp_pa
 
 def test_a_resume_that_fails_at_its_start_leaves_the_earlier_run_as_it_was(tmp_path):
     csv = ["--trainer.logger+=CSVLogger"]  # a logger that rewrites its file when a run continues
-    cli("fit", *TINY, *csv, "--trainer.max_epochs", "2", cwd=tmp_path)
+    cli_in_process("fit", *TINY, *csv, "--trainer.max_epochs", "2", root=tmp_path / "runs")
     (run,) = run_dirs(tmp_path)
     before = files(tmp_path / "runs")
     proc = cli("fit", *TINY, *csv, "--trainer.max_epochs", "1", "--ckpt_path", "last", cwd=tmp_path, check=False)
     assert proc.returncode == 1 and "max_epochs=1" in proc.stderr, proc.stderr[-3000:]  # fails after the loggers start
     assert files(tmp_path / "runs") == before  # no config.1.yaml, no event file with a purge_step, metrics.csv whole
-    proc = cli("fit", *TINY, *csv, "--trainer.max_epochs", "3", "--ckpt_path", "last", cwd=tmp_path)
+    cli_in_process("fit", *TINY, *csv, "--trainer.max_epochs", "3", "--ckpt_path", "last", root=tmp_path / "runs")
     assert run_dirs(tmp_path) == [run] and (run / "config.1.yaml").is_file()  # the real resume continues the run
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 9
     assert RUN_NAME in str(run)
