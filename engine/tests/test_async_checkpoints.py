@@ -154,15 +154,18 @@ def test_a_crash_with_a_write_in_flight_leaves_it_complete_and_resumes_exactly(r
 
 
 @pytest.mark.slow
-def test_sigkill_during_a_background_write_resumes_from_the_previous_file_exactly(reference, tmp_path):
+def test_sigkill_during_a_background_write_resumes_from_the_previous_file_exactly(reference, tmp_path, caplog):
     # The writer dies half-way through step 8's last.ckpt (the loop having gone on): last.ckpt is step 6's.
     kill = ["--trainer.plugins", "tests.faults.KillDuringWrite", "--trainer.plugins.step", "8"]
-    proc = cli("fit", *ARGS, *kill, "--run.root", "runs", cwd=tmp_path, check=False)
+    # the killed run is a process; the resume runs in this one, its root the killed run's (absolute: this process's
+    # working directory is not tmp_path)
+    proc = cli("fit", *ARGS, *kill, "--run.root", str(tmp_path / "runs"), cwd=tmp_path, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     folder = tmp_path / "runs" / RUN_NAME / "version_0" / "checkpoints"
     assert (folder / "last.ckpt.tmp").stat().st_size > 0  # precondition: killed in the middle of the write
-    proc = cli("fit", *ARGS, "--run.root", "runs", "--ckpt_path", "last", cwd=tmp_path)
-    assert "(global step 6)" in proc.stdout + proc.stderr
+    with caplog.at_level("INFO"):  # the resume's line is Lightning's rank_zero_info, a log record in this process
+        cli_in_process("fit", *ARGS, "--ckpt_path", "last", root=tmp_path / "runs")
+    assert "(global step 6)" in caplog.text, caplog.text[-2000:]
     assert_same_weights(tmp_path / "runs", reference)
 
 
@@ -533,13 +536,13 @@ def test_a_name_counts_as_taken_while_its_save_is_held_or_being_written(tmp_path
     io.teardown()
 
 
-@pytest.mark.slow  # two real fits in subprocesses (~14 s)
+@pytest.mark.slow  # two real fits, the resume in a subprocess (its PYTHONWARNINGS is read at its start)
 def test_last_names_each_file_it_skips_and_why_in_a_line_that_ignored_warnings_do_not_hide(tmp_path):
     import os
 
     args = [*QUIET, "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1", "--model.warmup", "0",
             "--model.net.init_args.hidden_sizes", "[32]"]  # fmt: skip
-    cli("fit", *args, "--trainer.max_epochs", "1", cwd=tmp_path)
+    cli_in_process("fit", *args, "--trainer.max_epochs", "1", root=tmp_path / "runs")  # the run to resume
     folder = tmp_path / "runs" / RUN_NAME / "version_0" / "checkpoints"
     last = folder / "last.ckpt"
     cut = folder / "newer.ckpt"  # a copy cut short (a full disk, a copy killed half-way), newer than last.ckpt
