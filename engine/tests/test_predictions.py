@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from steadfast.predictions import PredictionWriter
 from tests.fixtures.stand_in import SAMPLES, BlobsDataModule, StandIn
-from tests.helpers import QUIET, RUN_NAME, cli
+from tests.helpers import QUIET, RUN_NAME, cli, cli_in_process
 
 PREDICT_SIZE = int(SAMPLES * BlobsDataModule().hparams.test_fraction)  # the test split, which predict_dataloader serves
 TINY_FIT = [
@@ -68,22 +68,26 @@ def test_a_users_dict_of_tensors_is_written_one_row_per_sample_in_dataset_order(
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory) -> tuple[Path, Path]:
     workdir = tmp_path_factory.mktemp("predict")
-    cli("fit", *TINY_FIT, "--model.warmup", "1", cwd=workdir)
+    cli_in_process("fit", *TINY_FIT, "--model.warmup", "1", root=workdir / "runs")  # the real CLI, in this process
     (ckpt,) = workdir.glob(f"runs/{RUN_NAME}/version_*/checkpoints/last.ckpt")
     return workdir, ckpt
 
 
-def predict(workdir: Path, ckpt: Path, *args: str) -> Path:
-    """Runs ``predict`` through the real CLI and returns the folder it wrote into (a new version_N)."""
+def predict(workdir: Path, ckpt: Path, *args: str, in_process: bool = False) -> Path:
+    """Runs ``predict`` through the real CLI and returns the folder it wrote into (a new version_N): in a process of
+    its own (DDP re-executes the command), or with ``in_process`` in this one."""
     before = set(workdir.glob(f"runs/{RUN_NAME}/version_*"))
-    cli("predict", *QUIET, "--ckpt_path", str(ckpt), *args, cwd=workdir, timeout=400)
+    if in_process:
+        cli_in_process("predict", *QUIET, "--ckpt_path", str(ckpt), *args, root=workdir / "runs")
+    else:
+        cli("predict", *QUIET, "--ckpt_path", str(ckpt), *args, cwd=workdir, timeout=400)
     (run,) = set(workdir.glob(f"runs/{RUN_NAME}/version_*")) - before
     return run
 
 
 @pytest.fixture(scope="module")
 def single(fitted) -> Path:
-    return predict(*fitted)
+    return predict(*fitted, in_process=True)
 
 
 @pytest.mark.slow
