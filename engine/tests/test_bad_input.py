@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import DDP2, PYTHONPATH, QUIET, REPO, RUN_NAME, cli, run_dirs
+from tests.helpers import DDP2, PYTHONPATH, QUIET, REPO, RUN_NAME, cli, cli_in_process, run_dirs
 
 pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
 
@@ -353,9 +353,10 @@ def test_more_devices_than_the_machine_has_is_one_error_line_and_no_run_folder(t
 
 def test_rerun_and_fit_from_a_best_checkpoint_write_new_versions_and_leave_the_first_byte_for_byte(earlier):
     before = snapshot(earlier)
-    cli("fit", *TINY, *SMALL, cwd=earlier)
+    # both fits succeed and are checked by their files: the real CLI in this process (no interpreter start)
+    cli_in_process("fit", *TINY, *SMALL, root=earlier / "runs")
     (best,) = (earlier / "runs" / RUN_NAME / "version_0/checkpoints").glob("best-*.ckpt")
-    cli("fit", *TINY, *SMALL, "--trainer.max_epochs", "2", "--ckpt_path", str(best), cwd=earlier)
+    cli_in_process("fit", *TINY, *SMALL, "--trainer.max_epochs", "2", "--ckpt_path", str(best), root=earlier / "runs")
     assert [r.name for r in run_dirs(earlier)] == ["version_0", "version_1", "version_2"]
     assert torch.load(run_dirs(earlier)[2] / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
     assert {k: v for k, v in snapshot(earlier).items() if "version_0" in k} == before
