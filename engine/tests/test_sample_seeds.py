@@ -9,7 +9,7 @@ from steadfast.loaders import ResumableSampler
 from steadfast.sample_seeds import can_seed, sample_seed, worker_init
 from tests.faults import kill_at
 from tests.fixtures.augment import Augmented, AugmentedBlobs
-from tests.helpers import DDP2, QUIET, cli, run_dirs
+from tests.helpers import DDP2, QUIET, cli, cli_in_process, run_dirs
 
 
 def batches(workers: int, epoch: int, skip: int = 0, persistent: bool = False, seeded: bool = True) -> list:
@@ -65,16 +65,21 @@ def final_weights(cwd):
 @pytest.mark.slow
 # newest checkpoint: step 8 (mid-epoch 2), step 12 (epoch 2's end: CI and make test-all)
 @pytest.mark.parametrize("step", [10, pytest.param(13, marks=pytest.mark.long)])
-def test_a_kill_and_resume_with_persistent_augmenting_workers_is_exact(tmp_path, step):
+def test_a_kill_and_resume_with_persistent_augmenting_workers_is_exact(tmp_path, capsys, step):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     reference.mkdir(), resumed.mkdir()
-    proc = cli("fit", *AUG, cwd=reference)
-    assert "exact resume: yes" in proc.stdout, proc.stdout[-2000:]
-    killed = cli("fit", *AUG, *kill_at(step, settle=True), cwd=resumed, check=False)
+    # the uninterrupted reference and the resume: the real CLI in this process; the SIGKILLed run: a process, naming
+    # the resume's absolute root (a ModelCheckpoint restores its state only in its checkpoint's dirpath)
+    cli_in_process("fit", *AUG, root=reference / "runs")
+    out = capsys.readouterr().out
+    assert "exact resume: yes" in out, out[-2000:]
+    killed = cli("fit", *AUG, *kill_at(step, settle=True), "--run.root", str(resumed / "runs"), cwd=resumed,
+                 check=False)  # fmt: skip
     assert killed.returncode == -9, killed.stderr[-2000:]
     saved = torch.load(run_dirs(resumed, "augmented_blobs")[0] / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == (8 if step == 10 else 12)  # the precondition: where the resume starts
-    out = cli("fit", *AUG, "--ckpt_path", "last", cwd=resumed).stdout
+    cli_in_process("fit", *AUG, "--ckpt_path", "last", root=resumed / "runs")
+    out = capsys.readouterr().out
     start = next(line for line in out.splitlines() if line.startswith("Run "))
     assert "exact resume: resume verified (epoch" in start, start  # each worker-augmented sample as recorded
     (ref_step, want), (got_step, got) = final_weights(reference), final_weights(resumed)
