@@ -107,20 +107,14 @@ def csv_points(run_dir):
     return {key: [(int(row["step"]), float(row[key])) for row in rows if row.get(key)] for key in keys}
 
 
-def kill_and_resume(args: list[str], kill: int, resumed_at: int, cwd: Path, capsys=None) -> Path:
-    """Fits, killed with SIGKILL as step ``kill`` begins, then ``--ckpt_path last``; returns the run folder. The
-    resume runs in this process when given ``capsys`` (to read its output), else in a process of its own."""
-    root = cwd / "runs"  # absolute, both runs: a ModelCheckpoint restores its state only in its checkpoint's dirpath
-    proc = cli("fit", *args, *kill_at(kill, settle=True), "--run.root", str(root), cwd=cwd, check=False)
+def kill_and_resume(args: list[str], kill: int, resumed_at: int, cwd: Path) -> Path:
+    """Fits, killed with SIGKILL as step ``kill`` begins, then ``--ckpt_path last``; returns the run folder. The resume
+    is a process too: TensorBoard reads a run's event files in name order (second, then pid), and one written in this
+    process in the killed run's second would be read first, its points hidden by the killed run's."""
+    proc = cli("fit", *args, *kill_at(kill, settle=True), cwd=cwd, check=False)
     assert proc.returncode == -9, proc.stderr[-3000:]
-    if capsys is None:
-        proc = cli("fit", *args, "--ckpt_path", "last", "--run.root", str(root), cwd=cwd)
-        out = proc.stdout + proc.stderr
-    else:
-        capsys.readouterr()
-        cli_in_process("fit", *args, "--ckpt_path", "last", root=root)
-        out = "".join(capsys.readouterr())
-    assert f"continues from step {resumed_at} " in out, out[-3000:]
+    proc = cli("fit", *args, "--ckpt_path", "last", cwd=cwd)
+    assert f"continues from step {resumed_at} " in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
     (run_dir,) = run_dirs(cwd)
     return run_dir
 
@@ -143,11 +137,11 @@ def uninterrupted(tmp_path_factory):
         (13, 12),  # the newest is step 12's, the user's, mid-epoch (the engine's exact mid-epoch resume)
     ],
 )
-def test_a_resumed_run_logs_every_validation_batch_value_once(kill, resumed_at, uninterrupted, tmp_path, capsys):
+def test_a_resumed_run_logs_every_validation_batch_value_once(kill, resumed_at, uninterrupted, tmp_path):
     """Killed (kill -9) at step ``kill`` and resumed with ``--ckpt_path last``: the third validation (step 14) runs
     in the resumed process, and each logger holds its 3 batch values, as the uninterrupted run's has: 9 values,
     the same in the same order; the training values still once per step, the epoch-end ones once per epoch."""
-    run_dir = kill_and_resume(ARGS, kill, resumed_at, tmp_path, capsys)
+    run_dir = kill_and_resume(ARGS, kill, resumed_at, tmp_path)
     for name, read in (("tensorboard", scalars), ("csv", csv_points)):
         got, want = read(run_dir), uninterrupted[name]
         batch, wanted = got.get(PER_BATCH, []), want[PER_BATCH]
@@ -173,7 +167,7 @@ def test_a_logger_that_cannot_drop_points_gets_every_validation_batch_value_once
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     mlflow = ["--config", str(REPO / "configs" / "mlflow.yaml"), "--trainer.logger.init_args.tracking_uri", uri]
-    kill_and_resume([*FIT, *mlflow], 11, 10, tmp_path)  # MLflow's resume in a process: its client state stays there
+    kill_and_resume([*FIT, *mlflow], 11, 10, tmp_path)
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name(RUN_NAME).experiment_id])  # one run, continued
     want = uninterrupted["tensorboard"]
