@@ -8,12 +8,12 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import QUIET, REPO, cli, run_dirs, scalars
+from tests.helpers import QUIET, REPO, cli_in_process, run_dirs, scalars
 
 pytest.importorskip("matplotlib", reason='plot_run.py needs the plot extra: pip install -e ".[plot]"')
 from matplotlib.image import imread  # only once matplotlib is known to be there
 
-pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
+pytestmark = pytest.mark.slow  # a real fit (the CLI in this process) and scripts/plot_run.py in a subprocess
 
 SCRIPT = REPO / "scripts" / "plot_run.py"
 spec = importlib.util.spec_from_file_location("plot_run", SCRIPT)
@@ -23,8 +23,8 @@ spec.loader.exec_module(plot_run)
 
 def test_png_of_a_real_run_from_its_events(workdir):
     # every step logged (the default logs every 50th: fewer host syncs), as a user wanting per-step curves asks
-    cli("fit", *QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4",
-        "--trainer.log_every_n_steps", "1", cwd=workdir)  # fmt: skip
+    cli_in_process("fit", *QUIET, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4",
+                   "--trainer.log_every_n_steps", "1", root=workdir / "runs")  # fmt: skip
     (run,) = run_dirs(workdir)
     out = workdir / "figs" / "curves.png"
     proc = subprocess.run(

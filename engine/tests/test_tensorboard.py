@@ -12,10 +12,10 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import QUIET, cli, run_dirs
+from tests.helpers import QUIET, cli_in_process, run_dirs
 from tests.test_summary import SUMMARY
 
-pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses
+pytestmark = pytest.mark.slow  # a real fit (the CLI in this process) and a TensorBoard server in a subprocess
 
 EPOCHS, BATCHES = 2, 4
 # every step logged (the default logs every 50th: fewer host syncs), as a user wanting per-step curves asks
@@ -35,7 +35,9 @@ def free_port() -> int:
 def served(tmp_path_factory):
     """A tiny finished run, and the base URL of a TensorBoard serving its runs/ folder (as `make tensorboard`)."""
     cwd = tmp_path_factory.mktemp("tb")
-    cli("fit", *QUIET, *TINY, "--trainer.limit_val_batches", "2", *SUMMARY, cwd=cwd)
+    cli_in_process(
+        "fit", *QUIET, *TINY, "--trainer.limit_val_batches", "2", *SUMMARY, root=cwd / "runs"
+    )  # the real CLI, in-process
     (run,) = run_dirs(cwd)
     port = free_port()
     server = subprocess.Popen(
