@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from steadfast.checkpoint_io import AtomicCheckpointIO, CheckpointWriteError
-from tests.helpers import QUIET, RUN_NAME, cli, run_dirs
+from tests.helpers import QUIET, RUN_NAME, cli, cli_in_process, run_dirs
 
 # 3 steps per epoch; the stand-in's default net makes ~1 MB checkpoints, more than the room left on a full disk
 ARGS = [*QUIET, "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2", "--model.warmup", "0"]
@@ -149,7 +149,7 @@ def one_epoch(tmp_path_factory) -> Path:
     """A folder holding one finished 1-epoch fit (runs/<RUN_NAME>/version_0, last.ckpt of step 3): the earlier run
     both tests below resume, fitted once and copied (``earlier_run``) rather than once a test."""
     cwd = tmp_path_factory.mktemp("one_epoch")
-    cli("fit", *ARGS, "--trainer.max_epochs", "1", cwd=cwd)
+    cli_in_process("fit", *ARGS, "--trainer.max_epochs", "1", root=cwd / "runs")  # the real CLI, in this process
     return cwd
 
 
