@@ -98,6 +98,8 @@ class RunFolder(Callback):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         self._evaluation_steps = checkpoint.get(EVALUATION_LOGGING_STEPS) if trainer.state.fn == "fit" else None
+        if trainer.ckpt_path is not None:
+            _respell_saved_folders(trainer, checkpoint)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # A validation_step value logged with on_step=True goes to the loggers at Lightning's count of this process's
@@ -214,3 +216,29 @@ def clean_up_failed_start(
         for folder in reversed(plan.made):  # run.root too, when this run made it
             with contextlib.suppress(OSError):
                 folder.rmdir()
+
+
+def _respell_saved_folders(trainer: L.Trainer, checkpoint: dict) -> None:
+    """Lightning restores a ``ModelCheckpoint``'s best files, scores and last file only where the checkpoint's
+    ``dirpath`` is its own, compared as strings, and silently here (the warning is left out for evaluations, whose
+    folder is a new one: ``steadfast.console``). A fit that continues its run's folder under another name (``runs``
+    relative from another working directory, an absolute ``--run.root``, a symlink) started its top-k afresh: it kept
+    files it would have deleted and called a worse file the best. Where the checkpoint resumed from lies in the
+    callback's folder, the saved paths are written in this run's spelling before Lightning compares them."""
+    here = Path(trainer.ckpt_path).resolve().parent
+    states = checkpoint.get("callbacks") or {}
+    for callback in trainer.checkpoint_callbacks:
+        state = states.get(callback.state_key) if isinstance(callback, ModelCheckpoint) else None
+        was, now = (state or {}).get("dirpath"), callback.dirpath
+        if not (was and now) or was == now or "://" in str(now) or Path(now).resolve() != here:
+            continue
+
+        def respelled(path: Any, was: str = str(was), now: str = str(now)) -> Any:
+            inside = isinstance(path, str) and Path(path).parent == Path(was)
+            return str(Path(now) / Path(path).name) if inside else path
+
+        state["dirpath"] = now
+        state["best_k_models"] = {respelled(k): v for k, v in (state.get("best_k_models") or {}).items()}
+        for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+            if key in state:
+                state[key] = respelled(state[key])

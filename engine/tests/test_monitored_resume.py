@@ -33,9 +33,11 @@ def test_a_resume_keeps_the_files_scores_and_plateau_lr_of_a_monitor_between_val
     (ref_run,) = run_dirs(reference, "kind")
     want = torch.load(ref_run / "checkpoints" / "last.ckpt", weights_only=True)
 
-    # the killed run names the root the resume in this process names: Lightning's ModelCheckpoint restores its files
-    # and scores only when the checkpoint's dirpath is the resume's (a relative "runs" differs from the absolute path)
-    killed = cli("fit", *ARGS, *kill_at(17, settle=True), "--run.root", str(resumed / "runs"), cwd=resumed, check=False)
+    # The killed run names its folder relative to its working directory ("runs", the default), the resume in this
+    # process by an absolute --run.root: Lightning restores a ModelCheckpoint's files and scores only where the saved
+    # dirpath is the resume's as a string, so the engine writes the saved paths in the resume's spelling
+    # (steadfast.run_folder; without that, the scores below started afresh)
+    killed = cli("fit", *ARGS, *kill_at(17, settle=True), cwd=resumed, check=False)
     assert killed.returncode == -9, killed.stderr[-2000:]
     (run,) = run_dirs(resumed, "kind")
     saved = torch.load(run / "checkpoints" / "step=15.ckpt", weights_only=True)
