@@ -232,13 +232,14 @@ def _respell_saved_folders(trainer: L.Trainer, checkpoint: dict) -> None:
         was, now = (state or {}).get("dirpath"), callback.dirpath
         if not (was and now) or was == now or "://" in str(now) or Path(now).resolve() != here:
             continue
-
-        def respelled(path: Any, was: str = str(was), now: str = str(now)) -> Any:
-            inside = isinstance(path, str) and Path(path).parent == Path(was)
-            return str(Path(now) / Path(path).name) if inside else path
-
         state["dirpath"] = now
-        state["best_k_models"] = {respelled(k): v for k, v in (state.get("best_k_models") or {}).items()}
+        state["best_k_models"] = {_respelled(k, was, now): v for k, v in (state.get("best_k_models") or {}).items()}
         for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
             if key in state:
-                state[key] = respelled(state[key])
+                state[key] = _respelled(state[key], was, now)
+
+
+def _respelled(path: Any, was: str, now: str) -> Any:
+    """``path`` of a file in folder ``was`` as one in ``now``; any other path as it is."""
+    inside = isinstance(path, str) and Path(path).parent == Path(was)
+    return str(Path(now) / Path(path).name) if inside else path

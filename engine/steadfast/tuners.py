@@ -42,18 +42,16 @@ class TunersOnceARun(Callback):
         self.searched = False
 
     def leave_out(self, callbacks: list[Any]) -> list[Any]:
-        """``callbacks`` without their tuners on a resume, as they are otherwise."""
-        return [c for c in callbacks if not self._left_out(c)]
-
-    def _left_out(self, callback: Any) -> bool:
-        if not (self.resuming and isinstance(callback, TUNERS)):
-            return False
-        self.not_run_again.append(type(callback).__name__)
-        if isinstance(callback, BatchSizeFinder):
-            self.batch_size_names.append(batch_size_finders_attribute(callback))
-        else:  # the attribute it set gets the rate it found again
-            self.lr_finders.append(callback)
-        return True
+        """``callbacks`` without their tuners on a resume (each noted), as they are otherwise."""
+        if not self.resuming:
+            return list(callbacks)
+        for tuner in [c for c in callbacks if isinstance(c, TUNERS)]:
+            self.not_run_again.append(type(tuner).__name__)
+            if isinstance(tuner, BatchSizeFinder):
+                self.batch_size_names.append(batch_size_finders_attribute(tuner))
+            else:  # the attribute it set gets the rate it found again
+                self.lr_finders.append(tuner)
+        return [c for c in callbacks if not isinstance(c, TUNERS)]
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
