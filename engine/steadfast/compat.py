@@ -265,11 +265,13 @@ def launched_children(trainer: L.Trainer) -> list[Any]:
     return list(getattr(trainer.strategy.launcher, "procs", None) or [])
 
 
-def child_observer_waits(trainer: L.Trainer, wait: Callable[[], object]) -> Callable[[], None]:
+def child_observer_waits(trainer: L.Trainer, wait: Callable[[list[int | None]], object]) -> Callable[[], None]:
     """Lightning's ``ddp`` launcher starts a thread, ``_ChildProcessObserver``, whose ``_run`` polls the ranks it
-    started every 5 s and, when one has failed, logs so and SIGKILLs every rank and this process too, whatever this
-    process is doing: printing the engine's report of that failure, say. From now on, when a rank has failed, it first
-    calls ``wait()``. Returns what undoes it (the instance's own method again; the class is untouched)."""
+    started every 5 s and, when one has exited with a code other than 0, logs so and SIGKILLs every rank and this
+    process too, whatever this process is doing: printing the engine's report of that failure, or finishing a stop
+    every rank makes on purpose (exit code 143) after a rank that finished first. From now on, when a rank has
+    exited so, it first calls ``wait(exit codes of the ranks it started)``. Returns what undoes it (the instance's own
+    method again; the class is untouched)."""
     # Upstream, the observer would let the launcher process say why and end itself (a SIGTERM or a hook, then SIGKILL
     # after a grace period) rather than SIGKILL it mid-sentence: Lightning issue #16285 ("Use SIGTERM instead of
     # SIGKILL on DDP Errors", open) asks it of the kill that preceded the observer; its PR #16307 (SIGINT, then
@@ -295,8 +297,9 @@ def child_observer_waits(trainer: L.Trainer, wait: Callable[[], object]) -> Call
         run = observer._run
 
         def run_once_reported(run: Callable[[], bool] = run) -> bool:
-            if any(proc.poll() for proc in procs):  # a non-zero exit code: a rank failed
-                wait()
+            codes = [proc.poll() for proc in procs]
+            if any(codes):  # a non-zero exit code
+                wait(codes)
             return run()
 
         observer._run = run_once_reported

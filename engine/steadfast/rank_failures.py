@@ -14,7 +14,10 @@ failed it SIGKILLs all of them and rank 0 with them, at once, without a word. Ra
 printing the line takes a moment too (finding the intact checkpoint): in 1 of 23 kills of rank 1 during a save
 Lightning's poll fell in that moment and the run ended with exit code 137 and only Lightning's message. Here its kill
 first waits for this report (``compat.child_observer_waits``), which ends the process itself; when this reports
-nothing (a deliberate stop), Lightning's kill follows ``HOLD_S`` later.
+nothing, Lightning's kill follows ``HOLD_S`` later. A stop every rank makes on purpose (a preemption: exit code 143)
+is no failure, but a rank that exits first looks like one to that poll: under load it SIGKILLed rank 0 while it was
+still finishing the same stop (exit -9 for 143, 1 long-tier run in ~20). Once this process stops on purpose too,
+the kill waits for it to end by itself (``STOP_HOLD_S`` at most).
 """
 
 import contextlib
@@ -47,6 +50,7 @@ DELIBERATE = (KeyboardInterrupt, SystemExit, SIGTERMException)
 STOP_CODES = (PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE)
 WAIT_S = 5.0  # how long a survivor waits to learn which rank died and how
 HOLD_S = WAIT_S + 5.0  # how long Lightning's observer waits for this report before it kills every rank
+STOP_HOLD_S = 60.0  # how long it waits for this process to end a stop every rank makes (its teardown, its loggers)
 
 
 def is_peer_gone(error: BaseException) -> bool:
@@ -90,6 +94,7 @@ class RankFailures(Callback):
         self._done = self._own_error = False
         self._lock = threading.Lock()  # one report per process: the watcher's, on_exception's or a hang's
         self._settled = threading.Event()  # set once this process reports nothing: Lightning's observer may kill
+        self._stopping = threading.Event()  # set once this process stops on purpose, as every rank does
         self._undo_observer = lambda: None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -103,7 +108,8 @@ class RankFailures(Callback):
                 old.unlink(missing_ok=True)
         if self.children:
             self._settled.clear()
-            self._undo_observer = child_observer_waits(trainer, lambda: self._settled.wait(HOLD_S))
+            self._stopping.clear()
+            self._undo_observer = child_observer_waits(trainer, self._hold)
         if self._watcher is None:
             self._done = False
             # Not only the next collective's error: rank 0 may be far from one (and Lightning's own observer
@@ -115,12 +121,16 @@ class RankFailures(Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._end()  # before DestroyProcessGroup's barrier (this callback comes first): rank 0 may exit next
 
-    def _end(self) -> None:
-        """Nothing to report: the watcher stops, and Lightning's observer is as it was."""
+    def _end(self, stopping: bool = False) -> None:
+        """Nothing to report: the watcher stops, and Lightning's observer is as it was; ``stopping``: this process
+        stops on purpose, as every rank does, and the observer keeps waiting for it to end (``_hold``)."""
         self._done = True
         self._settled.set()
-        self._undo_observer()
-        self._undo_observer = lambda: None
+        if stopping:
+            self._stopping.set()
+        else:
+            self._undo_observer()
+            self._undo_observer = lambda: None
         watcher, self._watcher = self._watcher, None
         if watcher is not None and watcher is not threading.current_thread():
             watcher.join()
@@ -136,9 +146,16 @@ class RankFailures(Callback):
                 self.report(0, self._how(0))
             time.sleep(0.2)
 
+    def _hold(self, codes: list[int | None]) -> None:
+        """Called by Lightning's observer once a rank exited with ``codes`` (non-zero), before it kills every rank."""
+        if any(code not in (0, None, *STOP_CODES) for code in codes) or not self._stopping.wait(HOLD_S):
+            self._settled.wait(HOLD_S)  # a failure, or a rank stopping alone: after this process's report
+        else:
+            time.sleep(STOP_HOLD_S)  # every rank stops on purpose, this process too: it exits by itself meanwhile
+
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not self.active or isinstance(exception, DELIBERATE):
-            self._end()  # every rank stops here on purpose; a rank exiting first is no failure
+            self._end(stopping=True)  # every rank stops here on purpose; a rank exiting first is no failure
             return
         if not is_peer_gone(exception):
             self._own_error = True

@@ -497,10 +497,14 @@ def test_ddp_launchers_child_process_observer_waits_for_the_report_before_it_kil
         observer.start()
         trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=SimpleNamespace(procs=procs)))
         alive_while_waiting = []
-        undo = child_observer_waits(trainer, lambda: (time.sleep(0.5), alive_while_waiting.append(main.poll())))
+        seen = []
+        undo = child_observer_waits(
+            trainer, lambda codes: (seen.append(codes), time.sleep(0.5), alive_while_waiting.append(main.poll()))
+        )
         assert "_run" in vars(observer), "no _ChildProcessObserver watches the launcher's procs"
         observer.join(timeout=30)
         assert alive_while_waiting == [None], "the observer killed rank 0 before the engine's report"
+        assert seen == [[3, None]], seen  # the ranks' exit codes, the one that failed among them
         assert main.wait(timeout=10) == -9 and procs[1].wait(timeout=10) == -9  # then Lightning's kill, as before
         undo()
         assert "_run" not in vars(observer)

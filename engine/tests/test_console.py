@@ -222,3 +222,49 @@ def test_the_resume_command_is_the_users_without_the_class_switches_null_and_the
     for program in ("steadfast", "project"):  # the engine's own entry, and a project's thin one
         with entered(program, None):
             assert resume_command(rewritten) == f"python -m {program} {rest}"
+
+
+@pytest.mark.parametrize(
+    ("child_code", "stops_too", "killed"),
+    [
+        pytest.param(143, True, False, id="every-rank-stops-on-purpose"),  # a preemption: rank 0 exits by itself
+        pytest.param(143, False, True, id="a-rank-stops-alone"),  # rank 0 trains on: Lightning's kill, later
+        pytest.param(1, True, True, id="a-rank-failed"),
+    ],
+)
+def test_lightnings_observer_spares_rank_0_finishing_a_stop_every_rank_makes(tmp_path, monkeypatch, child_code,
+                                                                            stops_too, killed):  # fmt: skip
+    """Rank 1 ends a preemption (exit 143) before rank 0 has: Lightning's observer of the ranks, which SIGKILLs every
+    rank and rank 0 once one exits non-zero, leaves rank 0 to finish and exit 143 itself (it exited -9 under load)."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from steadfast import rank_failures
+
+    monkeypatch.setattr(rank_failures, "HOLD_S", 1.0)
+    monkeypatch.setattr(rank_failures, "STOP_HOLD_S", 4.0)
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    main = subprocess.Popen(sleep)  # stands in for rank 0, which the observer SIGKILLs (not this test's process)
+    procs = [subprocess.Popen([sys.executable, "-c", f"raise SystemExit({child_code})"])]
+    launcher = SimpleNamespace(procs=procs)
+    strategy = SimpleNamespace(launcher=launcher, cluster_environment=LightningEnvironment())
+    trainer = SimpleNamespace(strategy=strategy, default_root_dir=str(tmp_path / "run"), global_rank=0, world_size=2)
+    observer = _ChildProcessObserver(main_pid=main.pid, child_processes=procs, sleep_period=0.05)
+    failures = rank_failures.RankFailures()
+    try:
+        observer.start()
+        failures.setup(trainer, None, "fit")  # type: ignore[arg-type]
+        if stops_too:  # rank 0 stops on purpose too (the run's stop reaches on_exception), a moment after rank 1
+            time.sleep(0.3)
+            failures.on_exception(trainer, None, SIGTERMException())  # type: ignore[arg-type]
+        time.sleep(2.5)  # over twice HOLD_S: the observer has seen the exit and decided
+        assert (main.poll() == -9) is killed, main.poll()
+        observer.join(timeout=10)  # its kill after STOP_HOLD_S (rank 0 would be gone by then), before main's pid goes
+    finally:
+        failures.teardown(trainer, None, "fit")  # type: ignore[arg-type]
+        for proc in (main, *procs):
+            proc.kill()
+            proc.wait()
