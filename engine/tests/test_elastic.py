@@ -1,8 +1,10 @@
 """Elastic determinism: a checkpoint of N ranks continues on M ranks with the same samples in the same global batches,
 the same optimizer steps and LR, and ends within float-reduction noise of the uninterrupted run.
 
-The oracle is an uninterrupted 2-rank run; every micro-batch's sample indices, noise and LR are recorded per rank by
-``tests.fixtures.elastic`` (no dropout: the random streams of ranks are what cannot follow)."""
+The oracle is an uninterrupted run of the same global batch on one process (2 micro-batches accumulated), run in
+this process: the killed runs start on 2 ranks or on 1, so both shapes are held to it. Every micro-batch's sample
+indices, noise and LR are recorded per rank by ``tests.fixtures.elastic`` (no dropout: the random streams of ranks are
+what cannot follow)."""
 
 import json
 import math
@@ -17,7 +19,7 @@ from steadfast.elastic import Shape, _keep, epoch_note
 from steadfast.loaders import ResumableSampler
 from steadfast.sharded.folders import full_state_dict, read_meta
 from tests.faults import kill_at
-from tests.helpers import DDP2, QUIET, REPO, cli, run_dirs
+from tests.helpers import DDP2, QUIET, REPO, cli, cli_in_process, run_dirs
 
 # 90 samples padded to 96: 12 optimizer steps of 8 samples an epoch (4 per device x 2 ranks, or x 2 accumulated)
 ARGS = [*QUIET, "--model", "tests.fixtures.elastic.RecordedRegression", "--data", "tests.fixtures.elastic.ElasticData",
@@ -26,6 +28,7 @@ ARGS = [*QUIET, "--model", "tests.fixtures.elastic.RecordedRegression", "--data"
         "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true",
         "--trainer.callbacks.enable_version_counter=false"]  # fmt: skip
 ONE = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto"]
+ONE_ACCUMULATING = [*ONE, "--trainer.accumulate_grad_batches", "2"]  # DDP2's global batch of 8 on one process
 SHARDED = ["--config", str(REPO / "configs" / "fsdp.yaml"), "--trainer.accelerator", "cpu"]  # FSDP2 over gloo
 STEPS_PER_EPOCH = 12
 
@@ -74,7 +77,7 @@ def max_difference(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[dict[int, dict], dict]:
     cwd = tmp_path_factory.mktemp("uninterrupted")
-    cli("fit", *ARGS, *DDP2, "--model.record", str(cwd / "rec"), cwd=cwd)
+    cli_in_process("fit", *ARGS, *ONE_ACCUMULATING, "--model.record", str(cwd / "rec"), root=cwd / "runs")
     return record(cwd / "rec"), last(cwd)
 
 
@@ -142,7 +145,7 @@ def shrunk(tmp_path_factory):
 @pytest.fixture(scope="module")
 def grown(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("grown")
-    return resumed_on_other_ranks(cwd, [*ONE, "--trainer.accumulate_grad_batches", "2"], DDP2, kill=7)
+    return resumed_on_other_ranks(cwd, ONE_ACCUMULATING, DDP2, kill=7)
 
 
 @pytest.mark.slow
