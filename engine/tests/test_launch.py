@@ -4,7 +4,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from steadfast.run_checkpoints import find_last_checkpoint
-from tests.helpers import DDP2, PYTHONPATH, QUIET, REPO, RUN_NAME, STAND_IN, run_dirs, scalars
+from tests.helpers import DDP2, PYTHONPATH, QUIET, REPO, RUN_NAME, STAND_IN, free_port, run_dirs, scalars
 from tests.test_summary import SUMMARY
 
 SCRIPTS = REPO / "scripts"
@@ -31,12 +30,6 @@ def launch_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     base = {"PYTHON": sys.executable, "PYTHONPATH": PYTHONPATH, "PYTHONWARNINGS": "ignore", "PROJECT_VERBOSE": "1"}
     return {**env, **base, **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(condition, timeout: float, what: str) -> None:

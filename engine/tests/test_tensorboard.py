@@ -1,7 +1,6 @@
 """A real TensorBoard server on a finished run, read through its HTTP API as the browser reads it."""
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import QUIET, cli_in_process, run_dirs
+from tests.helpers import QUIET, cli_in_process, free_port, run_dirs
 from tests.test_summary import SUMMARY
 
 pytestmark = pytest.mark.slow  # a real fit (the CLI in this process) and a TensorBoard server in a subprocess
@@ -23,12 +22,6 @@ TINY = [
     *("--trainer.max_epochs", str(EPOCHS), "--trainer.limit_train_batches", str(BATCHES)),
     *("--trainer.log_every_n_steps", "1"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
