@@ -24,7 +24,6 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 
@@ -116,15 +115,6 @@ def hashes(batch: Any, n: int) -> tuple[list[int], int]:
         whole.update(row.digest())
     as_int = lambda h: int.from_bytes(h.digest(), "little", signed=True)  # noqa: E731
     return [as_int(row) for row in rows], as_int(whole)
-
-
-def gather(trainer: L.Trainer, mine: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's record (one per rank; ``[mine]`` on one process)."""
-    if trainer.world_size == 1:
-        return [mine]
-    every: list[Any] = [None] * trainer.world_size
-    torch.distributed.all_gather_object(every, mine)  # of a length per rank; once per save or resume, not per step
-    return every
 
 
 def unpack(ranks: list[torch.Tensor]) -> list[dict]:

@@ -1,6 +1,7 @@
 """Process-group hygiene for multi-process runs."""
 
 import atexit
+from typing import Any
 
 import lightning as L
 import torch
@@ -36,6 +37,15 @@ class DestroyProcessGroup(Callback):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             atexit.unregister(_destroy)  # once, however many stages failed
             atexit.register(_destroy)
+
+
+def every_rank(value: Any) -> list[Any]:
+    """``value`` as each rank has it, in rank order (``[value]`` in one process). Call it on every rank."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [value]
+    every: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, value)
+    return every
 
 
 def _destroy() -> None:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from steadfast import batch_fingerprint as fp
 from steadfast.compat_loops import train_loaders_cycle
+from steadfast.distributed import every_rank
 from steadfast.loaders import ResumableDataLoader, ResumableSampler
 from steadfast.own_orders import OwnOrder
 from steadfast.own_positions import OwnPosition
@@ -42,7 +43,7 @@ def record(trainer: L.Trainer) -> list[Any]:
             keys = fp.keys(loader.sampler, epoch, batches * n, n)
             cached = ((epoch, batches), fp.fingerprint(loader, epoch, batches, keys, fp.replay(loader, keys)))
             loader.next_batch = cached  # several files of one step: one replay
-        out.append(fp.gather(trainer, cached[1]))
+        out.append(every_rank(cached[1]))  # of a length per rank; once per save or resume, not per step
     return out
 
 
@@ -86,7 +87,7 @@ def verdict(trainer: L.Trainer, saved: list[Any] | None, resumed_from_lightning:
         if isinstance(then, str) or mine is None:
             why = then if isinstance(then, str) else _why_unverifiable(loader, i) or f"train loader {i} was not resumed"
             return "unverified", f"not verified: {why}"
-        kind, words = _compare(fp.unpack(then), fp.unpack(fp.gather(trainer, mine)))
+        kind, words = _compare(fp.unpack(then), fp.unpack(every_rank(mine)))
         if kind != "verified":
             return kind, (f"train loader {i}: " if len(loaders) > 1 else "") + words
         said.append(words)

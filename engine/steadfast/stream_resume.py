@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, get_worker_info
 
 from steadfast.compat_torch import unstarted_copy
+from steadfast.distributed import every_rank
 from steadfast.loaders import in_front_of
 from steadfast.stream_positions import Position, Tagging, loading_its_state
 
@@ -186,13 +186,7 @@ class StreamResume(Callback):
     def state_dict(self) -> dict[str, Any]:
         if not self.positions:
             return {}
-        mine = [p.taken for p in self.positions]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            ranks: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(ranks, mine)  # every rank saves its own, rank 0 writes them all
-        else:
-            ranks = [mine]
-        return {"ranks": ranks}
+        return {"ranks": every_rank([p.taken for p in self.positions])}  # every rank's own, rank 0 writes them all
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.saved = state_dict.get("ranks")
