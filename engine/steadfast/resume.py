@@ -22,6 +22,7 @@ from steadfast.compat_loops import (
     start_the_epoch_lightning_skipped,
     start_the_epoch_loop_afresh,
 )
+from steadfast.distributed import every_rank
 from steadfast.elastic import GlobalBatch, Shape, epoch_note, has_batch_norm
 from steadfast.module_hooks import own_hook
 from steadfast.next_batch import record, verdict, watch
@@ -110,8 +111,7 @@ class ExactResume(Callback):
         torch.set_num_threads(torch.get_num_threads())
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        _flush_loggers(trainer)
-        _flush_each_save(trainer, True)
+        _flush_loggers(trainer, each_save=True)
         self._flush_before_next_batch = True
         reopen_an_epoch_stopped_mid_way(checkpoint)
 
@@ -142,8 +142,7 @@ class ExactResume(Callback):
         # each went out as it came (flush_each_save), as a kill may come before this hook (while the next batch
         # loads, or in an earlier callback's hook); out here at the latest.
         if self._flush_before_next_batch:
-            _flush_loggers(trainer)
-            _flush_each_save(trainer, False)
+            _flush_loggers(trainer, each_save=False)
             self._flush_before_next_batch = False
 
     def on_train_batch_end(
@@ -196,7 +195,8 @@ class ExactResume(Callback):
         anywhere = trainer.strategy.all_gather(flags.to(device)).cpu().amax(0).bool().tolist()
         trained = {name: m for (name, m), keep in zip(self._metrics.items(), anywhere, strict=True) if keep}
         trained = {name: m for name, m in trained.items() if all(map(torch.is_tensor, m.metric_state.values()))}
-        mine = {**generator_states(), **{f"metric:{k}": v for k, v in _flat_metric_states(trained).items()}}
+        states = {f"metric:{name}/{k}": v.detach() for name, m in trained.items() for k, v in m.metric_state.items()}
+        mine = {**generator_states(), **states}
         gathered = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}
         # clone: a view would be saved with (and set_rng_state would read from) the start of the whole storage
         ranks = [{k: v[r].clone() for k, v in gathered.items()} for r in range(trainer.world_size)]
@@ -204,9 +204,8 @@ class ExactResume(Callback):
         metrics = [
             _nest({k[len("metric:") :]: v for k, v in rank.items() if k.startswith("metric:")}) for rank in ranks
         ]
-        every_rank: list[Any] = [None] * trainer.world_size  # each its own keys: what a rank logs may differ
-        torch.distributed.all_gather_object(every_rank, logged)
-        return {"ranks": rng, "metrics": metrics, "logged": every_rank, "threads": threads, **more}
+        # each its own keys: what a rank logs may differ
+        return {"ranks": rng, "metrics": metrics, "logged": every_rank(logged), "threads": threads, **more}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.loads_are_a_tuners:  # its shape would be taken for a checkpoint's run to keep the global batch of
@@ -291,7 +290,6 @@ class ExactResume(Callback):
             samples = _epoch_samples(trainer, shape)
             note = epoch_note(trainer.limit_train_batches, samples, self.saved_epoch_samples, shape)
             out += [note] if note is not None else []
-        module = type(pl_module).__name__  # (None in a unit test's call: no hooks of its own)
         out += unsaved_notes(self._unsaved, trainer) if trainer.ckpt_path is not None else []
         if self._epoch_start_skipped:
             skipped = [type(c).__name__ for c in trainer.callbacks if own_hook(c, "on_train_epoch_start", Callback)]
@@ -302,6 +300,7 @@ class ExactResume(Callback):
                     "next epoch"
                 )
             if own_hook(pl_module, "on_train_epoch_start", L.LightningModule):
+                module = type(pl_module).__name__
                 out.append(
                     f"on_train_epoch_start of {module}: called again on this resume inside an epoch (Lightning skips "
                     "it): what it sets from the epoch continues exactly, what it adds to (a list or count the "
@@ -313,7 +312,7 @@ class ExactResume(Callback):
                 "GradientAccumulationScheduler: its accumulation counts this run's micro-batches, so from its next "
                 "change on the global batch is not the checkpoint's run's"
             )
-        if resized is not None and resized[0] != resized[1] and has_batch_norm(pl_module):
+        if resized_now and has_batch_norm(pl_module):
             before, after = resized
             out.append(
                 f"BatchNorm: its statistics now come from micro-batches of {after} samples over all ranks "
@@ -435,7 +434,9 @@ def _epoch_samples(trainer: L.Trainer, shape: Shape) -> float:
     return trainer.num_training_batches * shape.world * shape.batch_size
 
 
-def _flush_loggers(trainer: L.Trainer) -> None:
+def _flush_loggers(trainer: L.Trainer, each_save: bool) -> None:
+    """Every logger's values out; ``each_save``: a ``ThrottledTensorBoardLogger`` hands over each value as it comes
+    until the next batch (``flush_each_save``)."""
     for logger in trainer.loggers:
         if hasattr(logger, "flush"):  # ThrottledTensorBoardLogger: the values it holds back
             logger.flush()
@@ -445,12 +446,8 @@ def _flush_loggers(trainer: L.Trainer) -> None:
             flush = getattr(getattr(logger, "experiment", None), "flush", None)
             if callable(flush):
                 flush()
-
-
-def _flush_each_save(trainer: L.Trainer, on: bool) -> None:
-    for logger in trainer.loggers:
-        if hasattr(logger, "flush_each_save"):  # ThrottledTensorBoardLogger
-            logger.flush_each_save = on
+        if hasattr(logger, "flush_each_save"):
+            logger.flush_each_save = each_save
 
 
 def _metric_states(metrics: dict[str, Metric]) -> dict[str, dict[str, Any]]:
@@ -460,10 +457,6 @@ def _metric_states(metrics: dict[str, Metric]) -> dict[str, dict[str, Any]]:
         return [copy(v) for v in value] if isinstance(value, list) else value.detach().cpu().clone()
 
     return {name: {k: copy(v) for k, v in metric.metric_state.items()} for name, metric in metrics.items()}
-
-
-def _flat_metric_states(metrics: dict[str, Metric]) -> dict[str, torch.Tensor]:
-    return {f"{name}/{k}": v.detach() for name, metric in metrics.items() for k, v in metric.metric_state.items()}
 
 
 def _nest(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

@@ -8,14 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from steadfast.compat import launched_children
 from steadfast.compat_logging import continue_evaluation_logging_steps, evaluation_logging_steps
 from steadfast.compat_loops import logging_step
+from steadfast.distributed import every_rank
 from steadfast.loggers import StepGate
 from steadfast.run_checkpoints import EVALUATION_LOGGING_STEPS, NEXT_LOGGING_STEP, ResumeError
 from steadfast.run_loggers import write_record
@@ -45,15 +46,13 @@ class RunFolder(Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.dir = Path(trainer.strategy.broadcast(str(self.plan.dir)))
-        if trainer.world_size > 1 and torch.distributed.is_initialized():
-            # Each rank resolved --ckpt_path (last, hpc, a SLURM requeue's) from what its file system showed it
-            every: list[Any] = [None] * trainer.world_size
-            torch.distributed.all_gather_object(every, str(self.plan.resumed_from))
-            if len(set(every)) > 1:
-                raise ResumeError(
-                    f"The ranks found different checkpoints to start from ({', '.join(sorted(set(every)))}): their "
-                    "file systems do not show the same files yet. Give one with --ckpt_path FILE."
-                )
+        # Each rank resolved --ckpt_path (last, hpc, a SLURM requeue's) from what its file system showed it
+        found = set(every_rank(str(self.plan.resumed_from)))
+        if len(found) > 1:
+            raise ResumeError(
+                f"The ranks found different checkpoints to start from ({', '.join(sorted(found))}): their file systems "
+                "do not show the same files yet. Give one with --ckpt_path FILE."
+            )
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(self.dir / "checkpoints")
@@ -70,10 +69,7 @@ class RunFolder(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         job = dict(self.plan.job)
         if "torchrun_run_id" in job:  # every node's agent, which a restart of the workers finds its run by
-            agents: list[Any] = [torchrun_agent()] * trainer.world_size
-            if trainer.world_size > 1 and torch.distributed.is_initialized():
-                torch.distributed.all_gather_object(agents, torchrun_agent())
-            job["torchrun_agents"] = sorted(set(agents))
+            job["torchrun_agents"] = sorted(set(every_rank(torchrun_agent())))
         if trainer.is_global_zero and not trainer.fast_dev_run:  # which writes nothing, as Lightning documents
             write_record(self.dir, trainer.loggers, job)
 
@@ -198,8 +194,7 @@ def clean_up_failed_start(
         return
     if run_folder is not None and run_folder.trained:
         return  # its logs and checkpoints are worth keeping
-    ranks = (getattr(trainer.strategy.launcher, "procs", None) if trainer is not None else None) or []
-    for proc in ranks:  # Lightning's launcher: rank 0 started the others
+    for proc in launched_children(trainer) if trainer is not None else []:  # rank 0 started the others
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)  # the other ranks leave their notes before the folder goes
     if plan.continues:
