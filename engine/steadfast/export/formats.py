@@ -35,12 +35,6 @@ FORMATS = ("safetensors", "onnx", "pt2", "pth")
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-def _state_dict(ckpt_path: Path) -> dict[str, torch.Tensor]:
-    if ckpt_path.is_dir():  # a sharded checkpoint: its shards consolidated here, on one process
-        return full_state_dict(ckpt_path)
-    return load_checkpoint_file(ckpt_path)["state_dict"]
-
-
 def _run_config(ckpt_path: Path, config_path: Path | None = None) -> dict[str, Any]:
     path = config_path or ckpt_path.resolve().parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt
     if not path.is_file():
@@ -84,7 +78,8 @@ def load_checkpoint_module(
     path = Path(ckpt_path)
     if not path.exists():
         raise ValueError(f"{ckpt_path}: no such checkpoint file or folder")
-    state_dict = _state_dict(path)  # first: a file that is no checkpoint is said to be one, wherever it is
+    # first: a file that is no checkpoint is said to be one, wherever it is (a sharded one consolidated here)
+    state_dict = full_state_dict(path) if path.is_dir() else load_checkpoint_file(path)["state_dict"]
     config = _run_config(path, Path(config_path) if config_path is not None else None)
     recipe = _with_checkpoint_hparams(_recipe(config.get("model"), "model"), path)
     module = build(recipe, LightningModule)
@@ -209,11 +204,6 @@ def _dynamic_batch(module: LightningModule, inputs: Inputs) -> dict[str, Any]:
     return {name: tree_map(free, value) for name, value in bound.items()}
 
 
-def _export_program(module: LightningModule, inputs: Inputs, path: Path) -> None:
-    program = torch.export.export(module, inputs[0], inputs[1], dynamic_shapes=_dynamic_batch(module, inputs))
-    torch.export.save(program, path)
-
-
 def _export_onnx(module: LightningModule, inputs: Inputs, output: Any, path: Path) -> None:
     args, kwargs = inputs
     single_input = len(args) + len(kwargs) == 1 and isinstance([*args, *kwargs.values()][0], torch.Tensor)
@@ -228,20 +218,6 @@ def _export_onnx(module: LightningModule, inputs: Inputs, output: Any, path: Pat
         output_names=["output"] if isinstance(output, torch.Tensor) else None,
         verbose=False,
     )
-
-
-def export_weights(module: LightningModule, recipe: dict[str, Any], out_path: Path) -> Path:
-    """The module's ``state_dict`` at ``out_path`` (``torch.save``) and its recipe at ``<out>.json``."""
-    torch.save(module.state_dict(), out_path)
-    out_path.with_suffix(".json").write_text(json.dumps(recipe, indent=2) + "\n")
-    return out_path
-
-
-def _readable(path: Path) -> None:
-    # safetensors writes 0600; an export is meant to be shared like any file this user writes
-    mask = os.umask(0)
-    os.umask(mask)
-    path.chmod(0o666 & ~mask)
 
 
 @contextmanager
@@ -304,11 +280,15 @@ def export(
             with _quiet_exporters():
                 if fmt == "safetensors":
                     save_net(module, class_path, recipe["init_args"], path)
-                    _readable(path)
-                elif fmt == "pth":
-                    export_weights(module, recipe, path)
+                    mask = os.umask(0)  # safetensors writes 0600; an export is shared like any file this user writes
+                    os.umask(mask)
+                    path.chmod(0o666 & ~mask)
+                elif fmt == "pth":  # the state_dict, and its recipe beside it
+                    torch.save(module.state_dict(), path)
+                    path.with_suffix(".json").write_text(json.dumps(recipe, indent=2) + "\n")
                 elif fmt == "pt2":
-                    _export_program(module, inputs, path)
+                    dynamic = _dynamic_batch(module, inputs)
+                    torch.export.save(torch.export.export(module, *inputs, dynamic_shapes=dynamic), path)
                 else:
                     _export_onnx(module, inputs, output, path)
         except OSError:
