@@ -1,26 +1,19 @@
 """The values a run's callbacks and schedulers judge by (``trainer.callback_metrics``: the last validation's
-``val_loss``, the last step's ``train_loss``), carried across a resume.
+``val_loss``, the last step's ``train_loss``), carried across a resume. What Lightning does without them (a resumed
+run has none until its next validation; a ``ReduceLROnPlateau`` reduced an epoch late; a fit stopped mid-epoch
+judged at its stop's validation): docs/upstream.md, "The values callbacks judge by are not in a checkpoint".
 
-Lightning does not save them: a resumed run starts with none, until its next validation. So a ``ModelCheckpoint``
-of the user's that saves every N steps by a validation metric skips each save before that validation (the
-uninterrupted run saved and scored it: another best file, another summary, another ``--ckpt_path best``), and
-Lightning does not step a ``ReduceLROnPlateau`` at the end of the epoch a mid-epoch resume lands in ("metrics are
-not saved in the checkpoint", ``FitLoop.on_advance_end``), nor after an epoch-end checkpoint (a ``ModelCheckpoint``
-saves at ``on_train_epoch_end``, before that step): its LR is reduced an epoch late. Here each checkpoint keeps
-rank 0's values (the file rank 0 writes; a monitored value is the same on every rank when logged with
-``sync_dist`` or a torchmetrics ``Metric``), a resume sets them again before its first batch, and the plateau
-step Lightning skips is taken at the next epoch's start (or the fit's end), with the epoch's values then in, as
-Lightning takes it, counted as of the epoch it belongs to (a plateau with ``frequency`` 2 steps after epochs 1, 3,
-...); a checkpoint saved before its epoch's plateau step says so, and the resume takes that step first. A checkpoint
-of engine 1.5 (no saved values) has the skipped step taken too. (Lightning #18595; docs/upstream.md.)
+Each checkpoint keeps rank 0's values (the file rank 0 writes; a monitored value is the same on every rank when logged
+with ``sync_dist`` or a torchmetrics ``Metric``), a resume sets them again before its first batch, and the plateau
+step Lightning skips is taken at the next epoch's start (or the fit's end), with the epoch's values then in, counted
+as of the epoch it belongs to (a plateau with ``frequency`` 2 steps after epochs 1, 3, ...); a checkpoint saved
+before its epoch's plateau step says so, and the resume takes that step first. A checkpoint of engine 1.5 (no saved
+values) has the skipped step taken too.
 
 A fit that stops mid-epoch (``max_time``, ``trainer.should_stop`` set by a callback) is an interruption, as a kill
-is: ``fit --ckpt_path last`` continues that epoch (``steadfast.resume``). Lightning still validates there and runs
-the epoch's end hooks, so an ``EarlyStopping`` and a ``ModelCheckpoint`` by a monitor would judge a point the
-uninterrupted run never sees: the resumed run stopped an epoch early, or ranked another best file, and a top-k save
-there could delete a file the uninterrupted run keeps. Here they judge nothing of it: the stop's validation is
-logged, those checkpoints save no file at it, and the checkpoints written after it hold their states (and the
-monitored values) from before it.
+is: ``fit --ckpt_path last`` continues that epoch (``steadfast.resume``). Its validation is logged, and judged by
+no ``EarlyStopping`` or monitored ``ModelCheckpoint``: those save no file at it, and the checkpoints written after
+it hold their states (and the monitored values) from before it.
 """
 
 import copy

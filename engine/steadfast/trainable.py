@@ -1,20 +1,14 @@
-"""Which parameters train, kept across a resume and synced under DDP.
+"""Which parameters train, kept across a resume and synced under DDP; what Lightning does without it (Lightning
+#21901: frozen again after a resume past the unfreeze; #20340: the ranks part after an unfreeze under DDP):
+docs/upstream.md, "Other findings of the third audit".
 
-``requires_grad`` and a BatchNorm's ``track_running_stats`` are in no ``state_dict``: a resume builds the module again
-as its code builds it. A callback that freezes layers and unfreezes them at an epoch, as Lightning's ``BaseFinetuning``
-does, freezes them again in its ``setup`` on every fit and unfreezes them only at that epoch, so a run resumed after
-it trained on with them frozen (Lightning #21901). Here each checkpoint names the parameters that do not train and
-the BatchNorms that do not track their statistics, and a resume sets them so as the checkpoint is loaded (after
-every callback's ``setup``, before DDP wraps the module and before any epoch-start hook).
-
-Under DDP, ``DistributedDataParallel`` syncs the gradients of the parameters that required one when it was built,
-before the fit, and never looks again: a layer unfrozen later trained on each rank's own gradient, and the ranks'
-weights parted from the unfreeze on (measured: 0.029 apart after 2 epochs on 2 ranks, each rank's checkpoint
-another model; Lightning #20340). Here each training batch starts by comparing the parameters that train with those
-DDP syncs, and where they differ, DDP is built again around the module (``compat.rewrap_ddp``), at the same batch
-on every rank (the change comes from a hook every rank runs alike), and the start of that batch says so. (A resume
-sets what trains before DDP is built.) A parameter unfrozen during a training step, whose gradient DDP did not
-sync, is refused in one line before the optimizer steps.
+``requires_grad`` and a BatchNorm's ``track_running_stats`` are in no ``state_dict``. Here each checkpoint names the
+parameters that do not train and the BatchNorms that do not track their statistics, and a resume sets them so as the
+checkpoint is loaded (after every callback's ``setup``, before DDP wraps the module and before any epoch-start hook).
+Under DDP each training batch starts by comparing the parameters that train with those DDP syncs, and where they
+differ, DDP is built again around the module (``compat.rewrap_ddp``), at the same batch on every rank (the change
+comes from a hook every rank runs alike), and the start of that batch says so. A parameter unfrozen during a
+training step, whose gradient DDP did not sync, is refused in one line before the optimizer steps.
 """
 
 from typing import Any
