@@ -120,15 +120,11 @@ class StopOnNonFinite(Callback):
             event.synchronize()
         return int(host)  # a host tensor: no device sync
 
-    def _read_now(self, trainer: L.Trainer) -> None:
-        if self.first_bad is not None:
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: Any = None) -> None:
+        if self.first_bad is not None:  # raising here writes nothing: the file is written after the hooks
             self._stop_if_bad(trainer, self.first_bad.item())
 
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        self._read_now(trainer)  # raising here writes nothing: the file is written after the hooks
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._read_now(trainer)
+    on_train_end = on_save_checkpoint  # read at once, as before a save
 
     def _stop_if_bad(self, trainer: L.Trainer, first_bad: int) -> None:
         if first_bad < 0:

@@ -43,23 +43,17 @@ class OneFilePerPoint(Callback):
                         if path.is_file() and path.stat().st_nlink > 1:
                             _own_file(path)
 
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._close(trainer)
+    def _close(self, trainer: L.Trainer, *_: Any) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AtomicCheckpointIO):
+            io.close_point()
 
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._close(trainer)
+    on_train_epoch_start = on_train_batch_start = _close  # training moves on
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._close(trainer)
         for callback in trainer.checkpoint_callbacks:
             restore_file_exists(callback)  # the class's own again
-
-    def _close(self, trainer: L.Trainer) -> None:
-        io = trainer.strategy.checkpoint_io
-        if isinstance(io, AtomicCheckpointIO):
-            io.close_point()
 
 
 def _own_file(path: Path) -> None:

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from steadfast.compat_torch import index_sampler, unstarted_copy
 from steadfast.loaders import in_front_of, seed_the_workers
 from steadfast.sample_seeds import generator_states, set_generator_states
-from steadfast.stream_positions import fingerprint
+from steadfast.stream_positions import Position, fingerprint
 from steadfast.stream_resume import StreamResume
 
 _END = object()
@@ -134,8 +134,7 @@ class OwnOrder:
             "run drew next: its order does not follow from the global generators as the epoch started"
         )
 
-    def unsaved(self) -> str:
-        return f"{self.name}: the checkpoint holds no position of it: a mid-epoch resume restarts that epoch's data"
+    unsaved = Position.unsaved
 
 
 class _Indices:

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from steadfast.compat_loops import batches_fetched_ahead
 from steadfast.compat_torch import unstarted_copy
 from steadfast.loaders import in_front_of, seed_the_workers
-from steadfast.stream_positions import fingerprint, loading_its_state
+from steadfast.stream_positions import Position, fingerprint, loading_its_state
 from steadfast.stream_resume import StreamResume
 
 KEEP = 4  # the states of the last few batches yielded: Lightning's fetcher holds at most one ahead
@@ -75,9 +75,7 @@ class OwnPosition:
         return (f"{self.name}: its first batch{ranks} is the one the checkpoint's run had fetched next, resumed at "
                 "each rank's own state as of the batches trained on")  # fmt: skip
 
-    def differs(self, rank: str) -> str:
-        return (f"{self.name}: its first batch after the resume{rank} differs from the batch the checkpoint's run had "
-                "fetched next (random draws in its workers, or a position its state_dict does not keep)")  # fmt: skip
+    differs = Position.differs
 
     def unsaved(self) -> str:
         return (f"{self.name}: the checkpoint holds no position of each rank (plain Lightning wrote it): Lightning "
