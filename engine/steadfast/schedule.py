@@ -114,15 +114,9 @@ class LinearWarmupCosineAnnealingLR(LRScheduler):
     def load_state_dict(self, state_dict: dict) -> None:
         if "max_schedule" in state_dict:  # engine <= 1.4.0 kept the counts as given in warmup/max_schedule, and
             # the horizon in steps in warmup_epochs/max_epochs
-            state_dict = dict(state_dict)
-            state_dict["warmup_steps"], state_dict["total_steps"] = (
-                state_dict["warmup_epochs"],
-                state_dict["max_epochs"],
-            )
-            state_dict["warmup_epochs"], state_dict["max_epochs"] = (
-                state_dict.pop("warmup"),
-                state_dict.pop("max_schedule"),
-            )
+            renamed = {"warmup_epochs": "warmup_steps", "max_epochs": "total_steps", "warmup": "warmup_epochs",
+                       "max_schedule": "max_epochs"}  # fmt: skip
+            state_dict = {renamed.get(key, key): value for key, value in state_dict.items()}
         # Re-derive the rate from the restored step, whatever order the optimizer's own state was loaded in.
         super().load_state_dict(state_dict)
         self._apply_lr()
