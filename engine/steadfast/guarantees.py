@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import CombinedLoader
 
 from steadfast.checkpoint_policy import CheckpointPolicy
+from steadfast.elastic import data_parallel_world
 from steadfast.loaders import ResumableDataLoader, ResumableSampler
 from steadfast.own_orders import ReplaysOwnOrder
 from steadfast.resume import ExactResume
@@ -165,10 +166,8 @@ class Guarantees(Callback):
         ]
         if verdict is not None:  # a resume: what its first batch showed
             exact = verdict[1] + ("; see opts out" if out else "")
-        else:
-            exact = (
-                "yes, also mid-epoch (each resume checks its first batch)" if not out else "see opts out"
-            )  # a promise: checked when kept
+        else:  # a promise: checked when kept
+            exact = "see opts out" if out else "yes, also mid-epoch (each resume checks its first batch)"
         elastic = f" | elastic: {resume.batches.note}" if resume is not None and resume.batches.note else ""
         streams = self.streams.describe() if self.streams is not None else []
         elastic += " | streams: " + "; ".join(streams) if streams else ""  # what resuming each one costs
@@ -211,7 +210,7 @@ def limit_notes(trainer: L.Trainer, split: str) -> list[str]:
     name, stage = f"limit_{split}_batches", {"val": "validation", "test": "test"}[split]
     limit = getattr(trainer, name)
     limited = bool(limit) and not (isinstance(limit, float) and limit >= 1.0)
-    world = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)  # under sharding, the data ranks
+    world = data_parallel_world(trainer)
     if world < 2:
         return []
     loaders = getattr(trainer, f"{split}_dataloaders")
