@@ -82,7 +82,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if "://" in str(path):
                 return super().save_checkpoint(checkpoint, path, storage_options)
             return self._save_atomically(checkpoint, Path(path))
-        self._raise_failed_write()
+        if any(f.done() and f.exception() is not None for f in self._queued):
+            self.wait()  # raises a write that failed
         # a wait writes what is held first; a point held is one no training batch has changed since
         on_host = self._snapshot.take(checkpoint, before_copying=self.wait, untrained=self._held is not None)
         path = Path(path)
@@ -163,10 +164,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if fn == self._save_atomically:
             future.paths = args[1:]  # type: ignore[attr-defined]  # for claims()
         self._queued.append(future)
-
-    def _raise_failed_write(self) -> None:
-        if any(f.done() and f.exception() is not None for f in self._queued):
-            self.wait()
 
     def _save_atomically(self, checkpoint: dict[str, Any], path: Path, *same: Path) -> None:
         """Writes ``path`` (and ``same``, hard links to it) through ``.tmp`` files renamed over them."""

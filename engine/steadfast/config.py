@@ -144,8 +144,6 @@ def start_from_class_defaults(args: list[str]) -> list[str]:
 def _classes_named_in(config: str) -> list[str]:
     """The switchable flags whose class a ``--config`` file names (``model: my.Model`` or ``model: {class_path:
     ...}``); none for a file that cannot be read here (the parser then says why)."""
-    import yaml
-
     try:
         content = yaml.safe_load(Path(config).read_text())
     except (OSError, ValueError, yaml.YAMLError):

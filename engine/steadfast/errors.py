@@ -251,10 +251,8 @@ def _value_at(content: Any, keys: list[str]) -> Any:
 
 
 def _leaves(value: Any) -> list[str]:
-    if isinstance(value, dict):
-        return [leaf for item in value.values() for leaf in _leaves(item)]
-    if isinstance(value, list):
-        return [leaf for item in value for leaf in _leaves(item)]
+    if isinstance(value, dict | list):
+        return [leaf for item in (value.values() if isinstance(value, dict) else value) for leaf in _leaves(item)]
     return [str(value)]
 
 

@@ -232,10 +232,6 @@ def scored_checkpoint(path: Path) -> Scored | None:
     return None
 
 
-def _complete(path: Path) -> bool:
-    return path.is_file() or is_sharded_checkpoint(path)
-
-
 def best_checkpoint(run_dir: Path) -> tuple[Scored, int] | None:
     """The best top-k checkpoint in ``run_dir/checkpoints`` and how many were ranked; ``None`` if none was saved by
     a ``ModelCheckpoint`` with a ``monitor``.
@@ -245,7 +241,8 @@ def best_checkpoint(run_dir: Path) -> tuple[Scored, int] | None:
     run without the engine's record (plain Lightning) by the newest file's own. On a tie the older file wins, as in
     Lightning's own choice.
     """
-    scored = [s for p in (run_dir / "checkpoints").glob("*.ckpt") if _complete(p) and (s := scored_checkpoint(p))]
+    files = [p for p in (run_dir / "checkpoints").glob("*.ckpt") if p.is_file() or is_sharded_checkpoint(p)]
+    scored = [s for p in files if (s := scored_checkpoint(p))]
     if not scored:
         return None
     scored.sort(key=lambda s: s.mtime)
@@ -326,17 +323,16 @@ def test_best(trainer: L.Trainer, model: L.LightningModule, datamodule: Any, jud
     if trainer.state.status != TrainerStatus.FINISHED:
         rank_zero_info(f"Test after fit: skipped, fit ended {trainer.state.status.value}.")
         return
-    monitored = judge
     ckpt_path = None
     if trainer.fast_dev_run:
         why = "fast_dev_run keeps no checkpoint: the weights fit ended with"
-    elif monitored is None:
+    elif judge is None:
         why = "no ModelCheckpoint with a monitor: the weights fit ended with"
-    elif not monitored.best_model_path:
-        why = f"no checkpoint by {monitored.monitor} was saved: the weights fit ended with"
+    elif not judge.best_model_path:
+        why = f"no checkpoint by {judge.monitor} was saved: the weights fit ended with"
     else:
-        ckpt_path = monitored.best_model_path
-        why = f"best {monitored.monitor} {float(monitored.best_model_score):.4f}: {ckpt_path}"
+        ckpt_path = judge.best_model_path
+        why = f"best {judge.monitor} {float(judge.best_model_score):.4f}: {ckpt_path}"
     # Every rank has the same best: ModelCheckpoint ranks the synced monitor values alike on all of them. (No
     # broadcast: fit's teardown has closed the process group; test opens a new one.)
     rank_zero_info(f"Test after fit: {why}")

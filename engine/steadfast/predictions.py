@@ -75,7 +75,9 @@ class PredictionWriter(BasePredictionWriter):
                     "DataLoader with a sampler), so the ranks' predictions cannot be put in order"
                 )
             seen = sum(len(t) for t in self._parts.get(dataloader_idx, {}).get("index", []))
-            batch_indices = range(seen, seen + _batch_size(prediction))
+            values = prediction.values() if isinstance(prediction, dict) else [prediction]
+            size = next((len(v) for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
+            batch_indices = range(seen, seen + size)
         columns = self._tensors(prediction, len(batch_indices))
         if not columns:
             return
@@ -141,11 +143,6 @@ class PredictionWriter(BasePredictionWriter):
         torch.save(merged, stem.with_suffix(".pt"))
         _write_csv(stem.with_suffix(".csv"), merged)
         rank_zero_info(f"Predictions of {len(merged['index'])} samples: {stem.with_suffix('.csv')} and .pt")
-
-
-def _batch_size(prediction: Any) -> int:
-    values = prediction.values() if isinstance(prediction, dict) else [prediction]
-    return next((len(v) for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
 
 
 def _write_csv(path: Path, table: dict[str, torch.Tensor]) -> None:

@@ -159,7 +159,9 @@ class RankFailures(Callback):
             return
         if not is_peer_gone(exception):
             self._own_error = True
-            self._leave_note(exception)  # this rank's own error: its traceback follows, the reporter names it
+            if self.notes is not None:  # this rank's own error: its traceback follows, the reporter names it
+                self.notes.mkdir(parents=True, exist_ok=True)
+                (self.notes / f"{self.rank}.txt").write_text(first_line(exception))
             # _settled stays clear: this process ends itself after its own message. When every rank raised, a
             # child exits first, and Lightning's observer, let go here, SIGKILLed rank 0 mid-message (exit -9, 1
             # CI run in ~20); held, it waits HOLD_S, by when this process is gone.
@@ -183,11 +185,6 @@ class RankFailures(Callback):
             while time.monotonic() < deadline and os.getppid() == self.parent:
                 time.sleep(0.05)  # rank 0 raised; let its traceback come first
             self.report(0, self._how(0))
-
-    def _leave_note(self, exception: BaseException) -> None:
-        if self.notes is not None:
-            self.notes.mkdir(parents=True, exist_ok=True)
-            (self.notes / f"{self.rank}.txt").write_text(first_line(exception))
 
     def _note(self, rank: int) -> str | None:
         path = self.notes / f"{rank}.txt" if self.notes is not None else None

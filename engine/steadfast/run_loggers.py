@@ -16,12 +16,6 @@ from steadfast.loggers import class_named
 from steadfast.runs import RUN_RECORD, RunPlan
 
 
-def logger_configs(trainer_config: Namespace) -> list[Namespace]:
-    loggers = trainer_config.get("logger")
-    items = loggers if isinstance(loggers, list) else [loggers]
-    return [item for item in items if isinstance(item, Namespace) and item.get("class_path")]
-
-
 def default_logger() -> dict[str, Any]:
     """The run's logger when its config names none (Lightning's default, TensorBoard): the engine's throttled one,
     its folder set by ``point_loggers_at``."""
@@ -41,10 +35,12 @@ def point_loggers_at(plan: RunPlan, trainer_config: Namespace) -> list[str]:
             class_path=default["class_path"], init_args=Namespace(**default["init_args"])
         )
     family, unknown = plan.dir.parent, []
-    for item in logger_configs(trainer_config):
-        cls, args = class_named(item.class_path), item.init_args
+    loggers = trainer_config.get("logger")
+    for item in loggers if isinstance(loggers, list) else [loggers]:
+        cls = class_named(item.class_path) if isinstance(item, Namespace) and item.get("class_path") else None
         if cls is None:
             continue
+        args = item.init_args
         if issubclass(cls, (TensorBoardLogger, CSVLogger)):
             args["save_dir"], args["name"], args["version"] = str(family.parent), family.name, plan.version
             if issubclass(cls, TensorBoardLogger):

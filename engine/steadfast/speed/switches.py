@@ -86,11 +86,9 @@ class Speed:
         compile: bool = False,
         matmul_precision: Literal["highest", "high", "medium"] | None = None,
     ) -> None:
-        self.keep_freed_host_memory, self.compile, self.matmul_precision = (
-            keep_freed_host_memory,
-            compile,
-            matmul_precision,
-        )
+        self.keep_freed_host_memory = keep_freed_host_memory
+        self.compile = compile
+        self.matmul_precision = matmul_precision
 
     def callbacks(self, given: list[Callback]) -> list[Callback]:
         """The switches this turns on, less those of a kind ``given`` already holds (a config of a copy made before

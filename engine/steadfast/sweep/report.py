@@ -14,8 +14,7 @@ def ranked(study: optuna.Study) -> list[FrozenTrial]:
     sign = -1 if study.direction == optuna.study.StudyDirection.MAXIMIZE else 1
 
     def key(trial: FrozenTrial) -> tuple:
-        value = trial.value if trial.value is not None else None
-        return (ORDER[trial.state], 0 if value is None else sign * value, trial.number)
+        return (ORDER[trial.state], 0 if trial.value is None else sign * trial.value, trial.number)
 
     return sorted(study.get_trials(deepcopy=False), key=key)
 

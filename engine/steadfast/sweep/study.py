@@ -74,7 +74,9 @@ def sweep_main(argv: list[str]) -> None:
     if config.show:
         print(report(study, sweep.folder, sweep.monitor))
         return
-    helpers = [_start_helper(argv) for _ in range(config.workers - 1)]
+    # other workers on the same study: the same command, one worker each; they die with this process
+    helper = [sys.executable, *entry().launch, "sweep", *argv, "--workers", "1", "--report", "false"]
+    helpers = [subprocess.Popen(helper, preexec_fn=die_with_parent) for _ in range(config.workers - 1)]
     code = work(sweep)
     codes = [code] + [helper.wait() for helper in helpers]
     study = optuna.load_study(study_name=sweep.name, storage=open_storage(sweep.storage))
@@ -108,12 +110,6 @@ def open_study(sweep: Sweep, create: bool, error: Any) -> optuna.Study:
             f" not compare. Restore them, or give the new search another name."
         )
     return study
-
-
-def _start_helper(argv: list[str]) -> subprocess.Popen:
-    # Another worker on the same study: the same command, one worker; it dies with this process.
-    command = [sys.executable, *entry().launch, "sweep", *argv, "--workers", "1", "--report", "false"]
-    return subprocess.Popen(command, preexec_fn=die_with_parent)
 
 
 def fit_cli(fit: list[str]) -> Any:
