@@ -51,10 +51,8 @@ class StopOnNonFinite(Callback):
         self.staged: tuple[torch.Tensor, Any] | None = None  # host copy of first_bad, and its CUDA event
         self.where: dict[int, tuple[int, int]] = {}  # step -> (epoch, batch) of the recent steps, for the message
 
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self.batch_idx = batch_idx
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self.batch_idx = idx
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if getattr(trainer.precision_plugin, "scaler", None) is not None:

@@ -82,11 +82,8 @@ class ExactResume(Callback):
         self._mid_step = 0  # the batches into an accumulation the checkpoint was saved at
         self._mid_batch: list[int] | None = None  # [epoch, batch] under way when the checkpoint was saved
         self._scheduled = False  # a resumed fit's first batch sets a GradientAccumulationScheduler's accumulation
-        # Lightning does not call on_train_epoch_start for the epoch a resume lands in (mid-epoch, or after a
-        # checkpoint of the previous epoch's last batch end): the module's epoch-start work (a loss weight or a
-        # curriculum stage set from the epoch, train metrics reset) would be skipped and the resumed run would differ
-        # from the uninterrupted one. The module's is called at on_train_start; callbacks of the user's own with the
-        # hook are named in the start line (``notes``).
+        # Lightning skipped on_train_epoch_start of the epoch this resume lands in (compat_loops): the module's is
+        # called at on_train_start, callbacks of the user's own with the hook are named in the start line (``notes``)
         self._epoch_start_skipped = False
         self._next_batch: list[Any] | None = None  # the checkpoint's records of its next batch
         self._verdict: tuple[str, str] | None = None
@@ -125,17 +122,15 @@ class ExactResume(Callback):
         self._saved_lrs = _param_group_lrs(checkpoint.get("optimizer_states"))
         self._saved_data_state = datamodule_state_in(checkpoint, trainer.datamodule)
 
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         if self._scheduled:  # before the batch: Lightning reads the accumulation as it runs it
             self._scheduled = False
             _set_the_scheduled_accumulation(trainer)
         metrics, self._metrics_to_restore = self._metrics_to_restore, None
-        if metrics is not None and batch_idx > 0:  # mid-epoch; a resume at an epoch's start begins it afresh
+        if metrics is not None and idx > 0:  # mid-epoch; a resume at an epoch's start begins it afresh
             _set_metric_states(self._metrics, metrics[trainer.global_rank])
         logged, self._logged_to_restore = self._logged_to_restore, None
-        if logged is not None and batch_idx > 0:
+        if logged is not None and idx > 0:
             continue_epoch_accumulators(trainer, logged[trainer.global_rank])
         # Lightning hands a step's values (and an epoch's, train/acc ...) to the loggers after the batch-end and
         # epoch-end hooks where checkpoints are saved, and a resume from that checkpoint does not log them again:
@@ -145,9 +140,7 @@ class ExactResume(Callback):
             _flush_loggers(trainer, each_save=False)
             self._flush_before_next_batch = False
 
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, *_: Any) -> None:
         # Validation's metrics are reset once it ends, before this hook: what is updated here, training updated.
         # (Empty after the first steps of most modules: a few property reads per step.)
         for name in [name for name, metric in self._not_trained.items() if metric.update_called]:
@@ -228,29 +221,26 @@ class ExactResume(Callback):
         against the checkpoint's record. Call it on every rank at the first training batch (it gathers once)."""
         if self._verdict is None:
             self._verdict = verdict(trainer, self._next_batch, resumed_from_lightning=not self._loaded)
+            differs, no = self._verdict[0] == "differs", None
             if self._mid_batch is not None:
                 epoch, batch = self._mid_batch
-                self._verdict = (
-                    "differs",
-                    (
-                        f"no: the checkpoint was saved while training batch {batch} of epoch {epoch} was under way (an "
-                        "exception's save, as OnExceptionCheckpoint's): the resume goes on after that batch, which "
-                        "was never trained, with the random streams as they were at the exception"
-                    ),
+                no = (
+                    f"the checkpoint was saved while training batch {batch} of epoch {epoch} was under way (an "
+                    "exception's save, as OnExceptionCheckpoint's): the resume goes on after that batch, which was "
+                    "never trained, with the random streams as they were at the exception"
                 )
-            elif self._lr_changed is not None and self._verdict[0] != "differs":
-                self._verdict = ("differs", f"no: {self._lr_changed}")
-            elif self._verdict[0] != "differs" and (changed := _data_state_change(self._saved_data_state, trainer)):
-                self._verdict = ("differs", f"no: {changed}")
+            elif self._lr_changed is not None and not differs:
+                no = self._lr_changed
+            elif not differs and (changed := _data_state_change(self._saved_data_state, trainer)):
+                no = changed
             elif self._mid_step:
-                self._verdict = (
-                    "differs",
-                    (
-                        f"no: the checkpoint was saved {self._mid_step} batch(es) into optimizer step "
-                        f"{trainer.global_step + 1}'s gradient accumulation, whose gradients no checkpoint holds: that "
-                        "step is taken on its remaining batches only (the engine's own saves wait for the step)"
-                    ),
+                no = (
+                    f"the checkpoint was saved {self._mid_step} batch(es) into optimizer step "
+                    f"{trainer.global_step + 1}'s gradient accumulation, whose gradients no checkpoint holds: that "
+                    "step is taken on its remaining batches only (the engine's own saves wait for the step)"
                 )
+            if no is not None:
+                self._verdict = ("differs", f"no: {no}")
         return self._verdict
 
     def notes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:

@@ -68,9 +68,7 @@ class Trainable(Callback):
         ddp = isinstance(trainer.strategy, DDPStrategy) and isinstance(trainer.strategy.model, DistributedDataParallel)
         self._synced = [p.requires_grad for _, p in self._params] if ddp and trainer.world_size > 1 else None
 
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
         if self._synced is None:
             return
         now = [p.requires_grad for _, p in self._params]
