@@ -151,20 +151,14 @@ class CheckMonitored(Callback):
         self.ended_an_epoch = self.ended_an_epoch or not stopping_mid_epoch(trainer)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.ended_an_epoch:
-            self._check_training(trainer, pl_module)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.ended_an_epoch:  # a fit of one epoch: its end
-            self._check_training(trainer, pl_module)
-
-    def _check_training(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.checked_training:
+        if not self.ended_an_epoch or self.checked_training:
             return
         self.checked_training = True
         without_validation = not is_overridden("validation_step", pl_module)
         watchers = [c for c in self.watchers if without_validation or c.monitor.startswith("train")]
         self._check(trainer, watchers, "the first training epoch")
+
+    on_train_end = on_train_epoch_start  # a fit of one epoch: its end
 
     def _check(self, trainer: L.Trainer, watchers: list[Callback], when: str) -> None:
         missing = next((c for c in watchers if c.monitor not in trainer.callback_metrics), None)

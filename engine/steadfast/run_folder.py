@@ -119,15 +119,15 @@ class RunFolder(Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Lightning calls this only when the stage finished: the last values go out (RunSummary's among them).
-        for gate in self._gates:
-            gate.release()
-            gate.detach()
-        self._gates = []
+        self._detach(before=None)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # What was logged after the last checkpoint is dropped: the resumed run logs those steps again.
-        self._release()
+        self._detach(before=self._checkpoint_step)
+
+    def _detach(self, before: int | None) -> None:
         for gate in self._gates:
+            gate.release(before)
             gate.detach()
         self._gates = []
 
