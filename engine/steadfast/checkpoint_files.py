@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from steadfast.compat_torch import uncompiled_key
+from steadfast.console import first_line
 
 FilePath = str | os.PathLike  # a path; Lightning's own alias, `_PATH`, is private
 
@@ -44,10 +45,7 @@ def load_checkpoint_file(path: FilePath, mmap: bool = False, map_location: Any =
             "it with torch.serialization.add_safe_globals([YourClass]) before the run"
         ) from None
     except Exception as error:  # a damaged archive: torch raises RuntimeError, EOFError, ... depending on where
-        first_line = str(error).splitlines()[0] if str(error) else ""
-        raise CheckpointLoadError(
-            f"{path} is not a readable checkpoint ({type(error).__name__}: {first_line})"
-        ) from None
+        raise CheckpointLoadError(f"{path} is not a readable checkpoint ({first_line(error)})") from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise CheckpointLoadError(
             f"{path} is not a Lightning checkpoint: it holds a {type(checkpoint).__name__} without a 'state_dict'"

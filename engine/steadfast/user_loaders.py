@@ -190,12 +190,10 @@ def _torchdata_plain(part: Any) -> bool:
     """torchdata's stateful ``RandomSampler`` (a permutation, no replacement) or ``BatchSampler``: a plain shuffle or
     batching that keeps a count."""
     cls = type(part)
-    plain = not getattr(part, "replacement", False) and getattr(part, "_num_samples", None) is None
-    return (
-        cls.__module__.startswith("torchdata.stateful_dataloader")
-        and cls.__name__ in ("RandomSampler", "BatchSampler")
-        and plain
-    )
+    torchdatas = cls.__module__.startswith("torchdata.stateful_dataloader")
+    if not torchdatas or cls.__name__ not in ("RandomSampler", "BatchSampler"):
+        return False
+    return not getattr(part, "replacement", False) and getattr(part, "_num_samples", None) is None
 
 
 def own_order(loader: DataLoader) -> Any:

@@ -28,6 +28,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from steadfast.checkpoint_files import load_checkpoint_file
 from steadfast.compat_torch import tree_leaves, tree_map, without_compiled_wrappers
 from steadfast.config import its_arguments
+from steadfast.errors import root_cause
 from steadfast.export.weights import build, save_net
 from steadfast.sharded.folders import full_state_dict
 
@@ -162,8 +163,7 @@ def example_inputs(module: LightningModule, config: dict[str, Any]) -> tuple[Inp
 
 def _reason(error: BaseException) -> str:
     """One line: the innermost cause (torch's exporters wrap it in pages of advice)."""
-    while error.__cause__ is not None:
-        error = error.__cause__
+    error = root_cause(error)
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     # torch.export names the call in the module's code that led there (the branch may be inside torch's own layers)

@@ -81,8 +81,7 @@ def read_meta(path: FilePath) -> dict[str, Any]:
     try:
         return torch.load(Path(path) / META, map_location="cpu", weights_only=True)
     except Exception as error:
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise CheckpointLoadError(f"{path}/{META} is not readable ({first_line})") from None
+        raise CheckpointLoadError(f"{path}/{META} is not readable ({first_line(error)})") from None
 
 
 class _IndexUnpickler(pickle.Unpickler):
