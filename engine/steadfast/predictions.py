@@ -1,15 +1,8 @@
-"""Predictions written: ``predict`` leaves ``predictions.csv`` (for people) and ``predictions.pt`` (for programs).
-
-One row per sample, in dataset order, with the sample's ``index`` in the dataset. Any ``predict_step`` that returns
-a tensor or a dict of tensors, batch first, gets this with no writer of its own: a column per key, a ``(B, n)``
-tensor as ``key_0 .. key_{n-1}``; tensors of more dimensions go to the ``.pt`` only. ``predictions.pt`` holds a
-dict of tensors (``index`` and one per key) and loads with ``torch.load(path, weights_only=True)``.
-
-Under DDP each rank saves its share, with its samples' dataset indices, to a shard in the same folder; after a
-barrier rank 0 merges the shards in index order and removes them. The folder must be one that every rank sees (one
-machine, or a shared filesystem). With the engine's evaluation samplers (``user_loaders``) each sample goes to
-exactly one rank, so the merged file equals the single-process one; a sample predicted twice (a padded
-``DistributedSampler``) is written once, with a warning.
+"""Predictions written: ``predict`` leaves ``predictions.csv`` (for people) and ``predictions.pt`` (for programs), one
+row per sample in dataset order with its ``index`` in the dataset, from any ``predict_step`` that returns a tensor or
+a dict of tensors, batch first (the columns, and what holds under DDP: docs/export.md, 'Predictions'). Under DDP each
+rank saves its share to a shard in the run folder (one that every rank sees), which rank 0 merges in index order; a
+sample predicted twice (a padded ``DistributedSampler``) is written once, with a warning.
 """
 
 import csv

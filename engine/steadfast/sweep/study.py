@@ -1,12 +1,8 @@
-"""``python -m steadfast sweep --config configs/sweep.yaml``: an Optuna study whose trials are ordinary ``fit`` runs.
-
-Each trial is ``python -m steadfast fit FIT_ARGS --run.root <root>/<name> --run.name trial_N --KEY VALUE ...
---ckpt_path last`` in a process of its own, so DDP, launchers and every engine guarantee apply to it, and its run
-folder is ``<root>/<name>/trial_N/version_0``. The study lives in ``<root>/<name>/study.db``. A worker holds a lock
-on ``trial_N/worker.lock`` while trial N runs; a RUNNING trial whose lock is free was left by a dead worker (a
-kill -9, a lost node), and the next worker to look takes it over: same number, parameters and run folder, resumed
-from its ``last.ckpt``. Trial N is sampled with seed ``seed + N`` from the trials finished before it, so a sweep
-killed and started again samples what the uninterrupted one would have.
+"""``python -m steadfast sweep --config configs/sweep.yaml``: an Optuna study whose trials are ordinary ``fit`` runs,
+each ``python -m steadfast fit FIT_ARGS --run.root <root>/<name> --run.name trial_N --KEY VALUE ... --ckpt_path last``
+in a process of its own, so DDP, launchers and every engine guarantee apply to it (its run folder
+``<root>/<name>/trial_N/version_0``). Where the study lives, how workers share it and what a killed sweep continues:
+docs/sweeps.md.
 """
 
 import io
