@@ -119,11 +119,9 @@ def epoch_note(limit: int | float, samples: float, saved_samples: int, now: Shap
         keeps = f"--trainer.limit_train_batches {saved_samples // micro} keeps them"
     else:
         keeps = f"no limit on micro-batches of {micro} samples over all ranks keeps them"
-    ran = (
-        f"{int(samples)} samples ({math.ceil(samples / now.global_batch)} steps)"
-        if samples < math.inf
-        else "the whole loader"
-    )
+    ran = "the whole loader"
+    if samples < math.inf:
+        ran = f"{int(samples)} samples ({math.ceil(samples / now.global_batch)} steps)"
     return (
         f"limit_train_batches {limit} counts each rank's micro-batches: an epoch now runs {ran}, the checkpoint's run "
         f"{saved_samples} ({math.ceil(saved_samples / now.global_batch)}), so the global batches from this epoch's "

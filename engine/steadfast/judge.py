@@ -1,15 +1,8 @@
-"""What a run is judged by, and what reads its judgement: one concept, the run's monitor.
-
-- **The monitor, said once** (``run_monitor_callbacks``, ``judge_of``): ``run.monitor`` and ``run.mode`` build
-  Lightning's own ``ModelCheckpoint`` (the best ``run.save_top_k``) and, with ``run.patience``, ``EarlyStopping``;
-  a user's own ``ModelCheckpoint`` with a monitor in ``trainer.callbacks`` is the run's instead when ``run.monitor``
-  is only the base config's. The CLI finds the judging checkpoint once (``judge_of``) and hands it to each
-  ``ReadsJudge``: the summary, a sweep trial's reporter, the resume record (which saves its monitor and mode).
-- **A monitor that can never be logged** (``CheckMonitored``) stops the run at the end of the first validation (the
-  sanity check's, when there is one), before any checkpoint callback acts, in one line naming what is logged.
-- **The best on disk** (``best_checkpoint``): ``--ckpt_path best`` or a run folder ranks the files by each one's
-  own record (see ``scored_checkpoint``), so rotation, resumed segments and moved folders all work.
-- **The run's last line** (``RunSummary``) and ``--run.test_after_fit`` (``test_best``) read the same judge.
+"""What a run is judged by, and what reads its judgement: one concept, the run's monitor. ``run_monitor_callbacks``
+builds (or finds in ``trainer.callbacks``) the monitored ``ModelCheckpoint`` and ``EarlyStopping``; the CLI finds the
+judging checkpoint once (``judge_of``) and hands it to each ``ReadsJudge``; ``CheckMonitored`` stops a run whose
+monitor is never logged; ``best_checkpoint`` ranks the files on disk for ``--ckpt_path best``; ``RunSummary`` and
+``--run.test_after_fit`` (``test_best``) read the same judge.
 """
 
 from dataclasses import dataclass
@@ -217,10 +210,8 @@ def scored_checkpoint(path: Path) -> Scored | None:
             continue
         scores = {Path(str(saved)).name: score for saved, score in (state["best_k_models"] or {}).items()}
         if path.name in scores:
-            if judge is not None and judge.get("state_key") == key:
-                mode = judge["mode"]
-            else:
-                mode = state_key_arguments(key).get("mode", "min")
+            own = judge is not None and judge.get("state_key") == key  # the run's judge: its mode is in the record
+            mode = judge["mode"] if own else state_key_arguments(key).get("mode", "min")
             run = (judge["monitor"], judge["mode"]) if judge is not None and "monitor" in judge else None
             return Scored(path, state["monitor"], mode, float(scores[path.name]), path.stat().st_mtime, run)
     return None

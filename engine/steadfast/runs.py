@@ -312,8 +312,7 @@ def _plan_run(config: Namespace, subcommand: str, fixed: dict[str, str] | None, 
         path = find_best_checkpoint(ckpt_path, family)
         config["ckpt_path"] = str(path)
         # a new version even for fit: starting from a run's best is a branch, the run itself is never written into
-        global_step = read_global_step(path)
-        return new_version(family, resumed_from=path, global_step=global_step)
+        return new_version(family, resumed_from=path, global_step=read_global_step(path))
     elif ckpt_path in ("last", "hpc"):  # hpc: Lightning's SLURM checkpoint, the newest of any run here
         # a job's hpc is its own run's, as Lightning's is the one in its own default_root_dir
         own = jobs_runs(family, command) if ckpt_path == "hpc" else []

@@ -176,11 +176,8 @@ def _horizon(
     else:
         lengths = [n for n in (max_epochs, -(-max_steps // per_epoch) if max_steps and per_epoch else None) if n]
     if not lengths:
-        return (
-            warmup_steps,
-            UNENDING,
-            "this run has no set end, so after the warmup the rate stays at lr; set model.max_schedule to decay it",
-        )
+        note = "this run has no set end, so after the warmup the rate stays at lr; set model.max_schedule to decay it"
+        return warmup_steps, UNENDING, note
     total = min(lengths)
     what = "steps" if interval == "step" else "epochs"
     if warmup_steps > total:
