@@ -20,7 +20,6 @@ under a load of 7: about 1.0 s to collate, as the loader does for every batch, a
 import copy
 import hashlib
 import itertools
-import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from steadfast.loaders import ResumableDataLoader, ResumableSampler
-from steadfast.sample_seeds import seed_per_sample
+from steadfast.sample_seeds import generator_states, seed_per_sample, set_generator_states
 
 # A record is one int64 tensor: these fields, then the n sample indices, then the n sample hashes.
 FIELDS = ("epoch", "place", "rank", "world", "size", "how", "whole", "n")
@@ -53,7 +52,7 @@ def replay(loader: ResumableDataLoader, keys: list[int]) -> Any:
     dataset = loader.dataset
     seeded = loader.sampler.epoch_in_keys  # type: ignore[attr-defined]
     undo = seed_per_sample(dataset, loader.sampler.seed) if seeded else lambda: None  # as each worker seeds its copy
-    states = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    states = generator_states(cuda=False)
     try:
         if loader.batch_sampler is None:
             return loader.collate_fn(dataset[keys[0]])
@@ -61,9 +60,7 @@ def replay(loader: ResumableDataLoader, keys: list[int]) -> Any:
             return loader.collate_fn(dataset.__getitems__(keys))
         return loader.collate_fn([dataset[key] for key in keys])
     finally:
-        torch.set_rng_state(states[0])
-        np.random.set_state(states[1])
-        random.setstate(states[2])
+        set_generator_states(states)
         undo()
 
 

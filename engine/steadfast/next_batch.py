@@ -77,11 +77,10 @@ def verdict(trainer: L.Trainer, saved: list[Any] | None, resumed_from_lightning:
     said = []
     for i, (loader, then) in enumerate(zip(loaders, saved, strict=True)):
         own = _own_position_checked(trainer, loader)
-        if own is not None and own[0] != "verified":
-            return own
-        checked = own[1] if own is not None else None
-        if checked is not None:
-            said.append(checked)
+        if own is not None:
+            if own[0] != "verified":
+                return own
+            said.append(own[1])
             continue
         mine = loader.first_batch if isinstance(loader, ResumableDataLoader) else None
         if isinstance(then, str) or mine is None:
@@ -193,10 +192,7 @@ def _own_position_checked(trainer: L.Trainer, loader: Any) -> tuple[str, str] | 
     code = 2 if expected is None else 0 if position.first == expected else 1  # verified, differs, nothing to compare
     if code == 2 and isinstance(position, Position) and not position.stateful:
         code = 0  # the fast-forward's own check verified it
-    codes = [code]
-    if trainer.world_size > 1:
-        mine = torch.tensor(code, device=trainer.strategy.root_device)
-        codes = trainer.strategy.all_gather(mine).reshape(-1).tolist()
+    codes = every_rank(code)
     ranks = f" on {len(codes)} ranks" if len(codes) > 1 else ""
     if 1 in codes:
         return "differs", f"no: {position.differs(f' on rank {codes.index(1)}' if len(codes) > 1 else '')}"
