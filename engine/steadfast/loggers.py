@@ -65,20 +65,10 @@ class ThrottledTensorBoardLogger(TensorBoardLogger):
         # then never waits for the writer thread value by value, trading the interpreter lock with it (1200
         # values: 81-89 ms against 143-171 ms here). flush() waits until the queue is empty, so it never holds
         # more than one hand-over.
-        super().__init__(
-            save_dir=save_dir,
-            name=name,
-            version=version,
-            log_graph=log_graph,
-            default_hp_metric=default_hp_metric,
-            prefix=prefix,
-            sub_dir=sub_dir,
-            comment=comment,
-            purge_step=purge_step,
-            max_queue=max_queue,
-            flush_secs=flush_secs,
-            filename_suffix=filename_suffix,
-        )
+        super().__init__(save_dir=save_dir, name=name, version=version, log_graph=log_graph,
+                         default_hp_metric=default_hp_metric, prefix=prefix, sub_dir=sub_dir, comment=comment,
+                         purge_step=purge_step, max_queue=max_queue, flush_secs=flush_secs,
+                         filename_suffix=filename_suffix)  # fmt: skip
         if flush_seconds < 0:
             raise ValueError(f"flush_seconds ({flush_seconds}) must be >= 0")
         self.flush_seconds = flush_seconds
@@ -184,9 +174,7 @@ def let_appended_loggers_parse(args: list[str]) -> list[str]:
         out.append(arg)
         if arg.startswith("--trainer.logger+="):
             name = arg.partition("=")[2]
-        elif arg == "--trainer.logger+" and i + 1 < len(args):
-            continue  # the class comes as the next argument: filled in after it
-        elif i > 0 and args[i - 1] == "--trainer.logger+":
+        elif i > 0 and args[i - 1] == "--trainer.logger+":  # the class as the argument after the flag
             name = arg
         else:
             continue

@@ -116,7 +116,8 @@ def engine_loader(
     ``batches``: the run's global batch, planned here for a train loader (``elastic.GlobalBatch``)."""
     if not isinstance(loader, DataLoader):
         return loader, None  # Lightning takes it as it is
-    if saves_its_state(loader) and not (_plain_stateful(loader) and _why_not(loader) is None):
+    reason, iterable = _why_not(loader), isinstance(loader.dataset, IterableDataset)
+    if saves_its_state(loader) and not (_plain_stateful(loader) and reason is None):
         if split != "train" or streams is None:
             return loader, None  # an evaluation loader starts afresh each time: its own position is not needed
         return keep_own(loader, trainer, streams)  # each rank's own position, as of the batches trained on
@@ -124,14 +125,12 @@ def engine_loader(
     world, rank = ranks.get("num_replicas", 1), ranks.get("rank", 0)
     train, sampler, sharded = split == "train", loader.sampler, isinstance(trainer.strategy, ModelParallelStrategy)
     split_by_lightning = uses_distributed_sampler(trainer)
-    reason = _why_not(loader)
-    if reason is not None and train and streams is not None and isinstance(loader.dataset, IterableDataset):
-        rebuilt, note = streams.resumable(loader, trainer)
-        return rebuilt, None if note is None else f"{reason}: {note}"
-    iterable = isinstance(loader.dataset, IterableDataset)
-    if reason is not None and train and streams is not None and not iterable and streams.mode != "restart":
-        return replay_own_order(loader, trainer, streams, type(own_order(loader)).__name__)
     if reason is not None:
+        if train and streams is not None and iterable:
+            rebuilt, note = streams.resumable(loader, trainer)
+            return rebuilt, None if note is None else f"{reason}: {note}"
+        if train and streams is not None and streams.mode != "restart":
+            return replay_own_order(loader, trainer, streams, type(own_order(loader)).__name__)
         return loader, _gives_up(reason, split, world, split_by_lightning and not iterable, sharded)
     note = None
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # seed_everything's, as Lightning's DistributedSampler reads it
