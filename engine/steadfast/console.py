@@ -68,9 +68,7 @@ _RANK_PREFIX = re.compile(r"^\[rank: \d+\] ")
 
 class _DropInfo(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.INFO:
-            return True
-        return not _RANK_PREFIX.sub("", record.getMessage()).startswith(SILENCED_INFO)
+        return record.levelno != logging.INFO or not _RANK_PREFIX.sub("", record.getMessage()).startswith(SILENCED_INFO)
 
 
 LOGGERS = (  # the loggers that create the records (a logger's filter does not see its children's records)

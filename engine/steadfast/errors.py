@@ -118,11 +118,9 @@ class OneLineParser(LightningArgumentParser):
         return super().parse_args(args, *rest, **kwargs)
 
     def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
-        # Lightning's Timer has ``interval: str = Interval.step``: a ``str`` Enum as the default of a ``str``, which
-        # jsonargparse keeps as the Enum and YAML cannot write, so a config naming Timer stopped every command
-        # (plain LightningCLI too). Its value is the string the signature asks for. Only an Enum whose name is its
-        # value is changed: one typed as its Enum is written by that name, which is then the same string.
-        # Upstream: docs/upstream.md, "Timer's interval default".
+        # A str Enum default YAML cannot write (Lightning's Timer's, which stopped every command naming Timer) as its
+        # value, the string the signature asks for; only one whose name is its value, so that one typed as its Enum
+        # (written by name) gives the same string: docs/upstream.md, "Timer's interval default".
         return super().dump(_str_enums_as_values(cfg), *args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:

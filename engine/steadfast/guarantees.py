@@ -126,8 +126,7 @@ class Guarantees(Callback):
         else:
             start = "fresh"
         out: list[str] = []
-        checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-        if not checkpoints:
+        if not any(isinstance(c, ModelCheckpoint) for c in trainer.checkpoint_callbacks):
             out.append("checkpointing is off: nothing to resume from")
         loaders = CombinedLoader(trainer.train_dataloader).flattened if trainer.train_dataloader is not None else []
         notes = self._loader_notes()

@@ -134,10 +134,8 @@ def default_name(data_class_path: str | None) -> str:
     ``image_net``: a run is filed under what it trains on (``family_dir``: the model's name when the model brings
     its own data, ``LightningTransformer`` -> ``lightning_transformer``)."""
     name = (data_class_path or "").rsplit(".", 1)[-1]
-    for suffix in ("DataModule", "Datamodule", "Dataset", "Data"):
-        if name.endswith(suffix) and name != suffix:
-            name = name[: -len(suffix)]
-            break
+    suffix = next((s for s in ("DataModule", "Datamodule", "Dataset", "Data") if name.endswith(s) and name != s), "")
+    name = name.removesuffix(suffix)
     return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", name).lower() or "runs"
 
 

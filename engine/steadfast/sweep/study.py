@@ -71,8 +71,8 @@ def sweep_main(argv: list[str]) -> None:
         print(report(study, sweep.folder, sweep.monitor))
         return
     # other workers on the same study: the same command, one worker each; they die with this process
-    helper = [sys.executable, *entry().launch, "sweep", *argv, "--workers", "1", "--report", "false"]
-    helpers = [subprocess.Popen(helper, preexec_fn=die_with_parent) for _ in range(config.workers - 1)]
+    command = [sys.executable, *entry().launch, "sweep", *argv, "--workers", "1", "--report", "false"]
+    helpers = [subprocess.Popen(command, preexec_fn=die_with_parent) for _ in range(config.workers - 1)]
     code = work(sweep)
     codes = [code] + [helper.wait() for helper in helpers]
     study = optuna.load_study(study_name=sweep.name, storage=open_storage(sweep.storage))

@@ -106,6 +106,5 @@ class ReportToStudy(ReadsJudge, L.Callback):
             trainer.should_stop = True  # every rank, at this validation: Lightning stops after this epoch
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        checkpoint = self.judge
-        if trainer.is_global_zero and checkpoint is not None and checkpoint.best_model_path:
-            self._open().set_user_attr("checkpoint", checkpoint.best_model_path)
+        if trainer.is_global_zero and self.judge is not None and self.judge.best_model_path:
+            self._open().set_user_attr("checkpoint", self.judge.best_model_path)
