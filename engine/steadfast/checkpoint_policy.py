@@ -55,21 +55,12 @@ class CheckpointPolicy:
         one of ``given`` (Lightning refuses two) is left out. The CLI hands the summary its judge later."""
         wanted: list[Callback] = [LastCheckpoint(train_time_interval=self.last_every)]
         if self.every_n_epochs is not None:
-            wanted.append(
-                ModelCheckpoint(
-                    every_n_epochs=self.every_n_epochs,
-                    save_top_k=-1,
-                    filename=PERIODIC_FILENAME,
-                    auto_insert_metric_name=False,
-                )
-            )
+            wanted.append(ModelCheckpoint(every_n_epochs=self.every_n_epochs, save_top_k=-1, filename=PERIODIC_FILENAME,
+                                          auto_insert_metric_name=False))  # fmt: skip
         wanted += [LearningRateMonitor(logging_interval="step"), RunSummary()]
         single = (LastCheckpoint, LearningRateMonitor, RunSummary)
-        return [
-            c
-            for c in wanted
-            if not any(g.state_key == c.state_key or (isinstance(c, single) and type(g) is type(c)) for g in given)
-        ]
+        keys, kinds = {g.state_key for g in given}, {type(g) for g in given}
+        return [c for c in wanted if c.state_key not in keys and not (isinstance(c, single) and type(c) in kinds)]
 
     def plugins(self, given: list[Any]) -> list[Any]:
         """``given`` (the config's plugins) with the atomic writer, unless one of them is a ``CheckpointIO``: the

@@ -37,9 +37,6 @@ class Shape:
             "accumulated)"
         )
 
-    def as_dict(self) -> dict[str, int]:
-        return {"world": self.world, "batch_size": self.batch_size, "accumulate": self.accumulate}
-
 
 def data_parallel_world(trainer: L.Trainer) -> int:
     """The ranks the training data is split over (under sharding with tensor parallelism, not every rank)."""

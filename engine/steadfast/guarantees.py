@@ -73,17 +73,12 @@ class Guarantees(Callback):
     # ``Run runs/digits/version_4 (test of runs/digits/version_3/checkpoints/last.ckpt, step 50) | 1 x cpu | logs: ...``
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == "validate":
-            self._evaluation_line(trainer, "validate")
+            self._evaluation_line(trainer)
 
-    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._evaluation_line(trainer, "test")
-
-    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._evaluation_line(trainer, "predict")
-
-    def _evaluation_line(self, trainer: L.Trainer, stage: str) -> None:
+    def _evaluation_line(self, trainer: L.Trainer, *_: Any) -> None:
         if not trainer.is_global_zero:
             return
+        stage = trainer.state.fn.value  # "validate", "test" or "predict"
         plan, path = self.plan, trainer.ckpt_path  # the file this evaluation loaded: --ckpt_path, or test after fit's
         if path is not None and plan.resumed_from is not None and Path(path) == Path(plan.resumed_from):
             weights = f"{path}, step {plan.global_step}"
@@ -100,6 +95,8 @@ class Guarantees(Callback):
             f"{self._logs(trainer)}" + (" | opts out: " + "; ".join(notes) if notes else ""),
             flush=True,
         )
+
+    on_test_start = on_predict_start = _evaluation_line
 
     @staticmethod
     def _ranks(trainer: L.Trainer) -> str:

@@ -58,11 +58,6 @@ class Beat:
     rank: int
 
 
-def heartbeat_path(launcher: int, local: int) -> Path:
-    """The heartbeat of local rank ``local`` of the ranks launched by process ``launcher``."""
-    return Path(tempfile.gettempdir()) / f"{PREFIX}-{launcher}-{local}"
-
-
 def read_beat(path: Path) -> Beat | None:
     try:
         data = path.read_bytes()
@@ -170,7 +165,8 @@ class HangWatchdog(Callback):
         launcher = os.getpid() if self.local == 0 else os.getppid()  # the launcher is the other ranks' parent
         if self.local == 0:
             remove_heartbeats_of_ended_runs()
-        self.paths = [heartbeat_path(launcher, i) for i in range(trainer.num_devices)]
+        # each local rank's heartbeat, named after the process that launched them
+        self.paths = [Path(tempfile.gettempdir()) / f"{PREFIX}-{launcher}-{i}" for i in range(trainer.num_devices)]
         try:
             self.heart = Heartbeat(self.paths[self.local], trainer.global_rank)
         except OSError as error:  # the run goes on, unwatched, as it would without a timeout

@@ -25,24 +25,6 @@ from steadfast.sharded.folders import is_sharded_checkpoint, read_meta
 BEST_FILENAME = "best-epoch{epoch:03d}-step{step}"
 
 
-def monitor_callbacks(runs: Any) -> list[Callback]:
-    """The ``ModelCheckpoint`` and ``EarlyStopping`` that ``runs`` (a ``Runs``) asks for."""
-    if runs.monitor is None:
-        return []
-    callbacks: list[Callback] = [
-        ModelCheckpoint(
-            monitor=runs.monitor,
-            mode=runs.mode,
-            save_top_k=runs.save_top_k,
-            filename=BEST_FILENAME,
-            auto_insert_metric_name=False,
-        )
-    ]
-    if runs.patience is not None:
-        callbacks.append(EarlyStopping(monitor=runs.monitor, mode=runs.mode, patience=runs.patience))
-    return callbacks
-
-
 def run_monitor_callbacks(
     runs: Any, given: list[Callback], base_monitor: str | None
 ) -> tuple[list[Callback], str | None, str]:
@@ -74,7 +56,11 @@ def run_monitor_callbacks(
         else:
             said += " (--run.monitor KEY chooses)"
         return early if runs.patience is not None and runs.monitor is not None else [], first.monitor, said
-    built = [c for c in monitor_callbacks(runs) if not any(g.state_key == c.state_key for g in given)]
+    wanted: list[Callback] = [ModelCheckpoint(monitor=runs.monitor, mode=runs.mode, save_top_k=runs.save_top_k,
+                                              filename=BEST_FILENAME, auto_insert_metric_name=False)]  # fmt: skip
+    if runs.patience is not None:
+        wanted.append(EarlyStopping(monitor=runs.monitor, mode=runs.mode, patience=runs.patience))
+    built = [c for c in wanted if not any(g.state_key == c.state_key for g in given)]
     others = sorted(_monitors(theirs) - {runs.monitor})
     if not others:
         return built, runs.monitor, ""

@@ -75,9 +75,6 @@ class ResumableSampler(DistributedSampler):
         # A generator: the order is drawn and ``skip`` used at the first draw, not at ``iter()``. A loader with
         # workers makes an iterator of its batch sampler and drops it for a second one (torch's ``_reset``), and
         # torchdata's ``BatchSampler`` calls ``iter()`` on this sampler as soon as it is itself iterated.
-        yield from self._order()
-
-    def _order(self) -> list[int]:
         order = _epoch_order(self, torch.Generator().manual_seed(self.seed + self.epoch))
         total, world = len(order), self.num_replicas
         if self.drop_last or self.cut:  # the user's DistributedSampler's drop_last evens the ranks; a loader's, steps
@@ -90,7 +87,7 @@ class ResumableSampler(DistributedSampler):
         self.skip = 0
         if self.epoch_in_keys:  # the key a dataset seeded per sample decodes (steadfast.sample_seeds)
             mine = mine + self.epoch * len(self.dataset)  # type: ignore[arg-type]
-        return mine.tolist()
+        yield from mine.tolist()
 
 
 _DRAWS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)  # samplers whose draw ResumableSampler redoes

@@ -1,6 +1,7 @@
 """What a bit-exact resume needs beyond Lightning's checkpoint: every rank's RNG states, the states of the module's
 metrics mid-epoch, a fixed number of compute threads, logs flushed at saves."""
 
+import dataclasses
 import math
 from typing import Any
 
@@ -159,7 +160,7 @@ class ExactResume(Callback):
         trainer = self._trainer
         threads = torch.get_num_threads()
         shape = self.batches.shape
-        more: dict[str, Any] = {"shape": shape.as_dict()} if shape is not None else {}
+        more: dict[str, Any] = {"shape": dataclasses.asdict(shape)} if shape is not None else {}
         if shape is not None and trainer is not None and trainer.num_training_batches < math.inf:
             # limit_train_batches counts micro-batches: what an epoch was in samples, for a resume on another shape
             more["epoch_samples"] = int(_epoch_samples(trainer, shape))

@@ -95,11 +95,7 @@ class Speed:
         1.0.0 lists them as callbacks)."""
         from steadfast.speed.host_memory import KeepFreedHostMemory
 
-        wanted: list[Callback] = []
-        if self.keep_freed_host_memory:
-            wanted.append(KeepFreedHostMemory())
-        if self.compile:
-            wanted.append(Compile())
-        if self.matmul_precision is not None:
-            wanted.append(MatmulPrecision(self.matmul_precision))
+        wanted: list[Callback] = [KeepFreedHostMemory()] if self.keep_freed_host_memory else []
+        wanted += [Compile()] if self.compile else []
+        wanted += [MatmulPrecision(self.matmul_precision)] if self.matmul_precision is not None else []
         return [c for c in wanted if not any(type(g) is type(c) for g in given)]
