@@ -97,15 +97,13 @@ class SaveConfigOnce(SaveConfigCallback):
             return
         if self.save_to_log_dir:
             run_dir = trainer.strategy.broadcast(trainer.default_root_dir)
-            name = "config.yaml"
             if trainer.is_global_zero:
-                n = 0
-                while os.path.exists(os.path.join(run_dir, name)):
+                path, n = os.path.join(run_dir, "config.yaml"), 0
+                while os.path.exists(path):
                     n += 1
-                    name = f"config.{n}.yaml"
+                    path = os.path.join(run_dir, f"config.{n}.yaml")
                 os.makedirs(run_dir, exist_ok=True)
                 # validated when parsed: checking it again would cost 0.03 s of every start
-                path = os.path.join(run_dir, name)
                 self.parser.save(self.config, path, skip_none=False, skip_validation=True, multifile=self.multifile)
         if trainer.is_global_zero:
             self.save_config(trainer, pl_module, stage)

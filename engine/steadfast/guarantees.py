@@ -24,15 +24,9 @@ from steadfast.user_loaders import UserLoaders
 
 
 class Guarantees(Callback):
-    """Rank 0 prints, when training starts, e.g.
-    ``Run runs/digits/version_3 (continues from step 50 of runs/digits/version_3/checkpoints/last.ckpt) | 2 x cuda |
-    exact resume: yes, also mid-epoch (each resume checks its first batch) | logs: TensorBoard``
-    and after ``opts out:`` each guarantee the configuration or user code gives up, with the reason.
-
-    A resumed fit prints it at its first batch, having compared that batch with the checkpoint's record of its next
-    one (``steadfast.next_batch``): ``exact resume: resume verified (...)``, ``no, <the first difference>`` or
-    ``not verified: <why>``, not a claim.
-    """
+    """Rank 0 prints the start line (what it says: docs/engine.md, 'The start line') when training starts; a resumed
+    fit at its first batch, having compared that batch with the checkpoint's record of its next one
+    (``steadfast.next_batch``)."""
 
     def __init__(
         self,

@@ -218,12 +218,10 @@ def best_checkpoint(run_dir: Path) -> tuple[Scored, int] | None:
         return None
     scored.sort(key=lambda s: s.mtime)
     newest = scored[-1]
-    monitor, mode = newest.judge or (newest.monitor, newest.mode)
-    ranked = [s for s in scored if (s.monitor, s.mode) == (monitor, mode)]
+    ranked = [s for s in scored if (s.monitor, s.mode) == (newest.judge or (newest.monitor, newest.mode))]
     if not ranked:  # the judge kept no file (all rotated away): the newest file's own monitor, as before
-        monitor, mode = newest.monitor, newest.mode
-        ranked = [s for s in scored if (s.monitor, s.mode) == (monitor, mode)]
-    pick = max if mode == "max" else min
+        ranked = [s for s in scored if (s.monitor, s.mode) == (newest.monitor, newest.mode)]
+    pick = max if ranked[0].mode == "max" else min
     return pick(ranked, key=lambda s: s.score), len(ranked)
 
 

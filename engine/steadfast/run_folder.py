@@ -206,9 +206,8 @@ def clean_up_failed_start(
         return
     if all(p.name in OPENING_FILES or p.name.startswith("events.out.tfevents.") for p in plan.dir.iterdir()):
         shutil.rmtree(plan.dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            plan.dir.parent.rmdir()  # the run family, when this was its only run
-        for folder in reversed(plan.made):  # run.root too, when this run made it
+        # the run family, when this was its only run; run.root too, when this run made it
+        for folder in (plan.dir.parent, *reversed(plan.made)):
             with contextlib.suppress(OSError):
                 folder.rmdir()
 

@@ -10,13 +10,11 @@ and what the start line says: docs/engine.md, 'Data pipelines and what a resume 
   last one it drops is collated and compared with the fingerprint the checkpoint kept of it.
 
 Either way a resume compares its first batch with the fingerprint a save kept of the batch handed out next (the one
-Lightning's fetcher took ahead of training): another batch stops the run in one line before training on it, unless
-``run.stream_resume`` is ``as_saved``. How each batch says which worker made it, and the order a resumed loader hands
-batches out in: ``steadfast.stream_positions``. An ``IterableDataset`` with ``set_epoch`` (Hugging Face's, LitData's)
-is given the epoch before each epoch's iterator, as Lightning gives it to samplers; with ``persistent_workers`` the
-workers keep the copy of the epoch they started in (torch's behaviour), so a resume in a later epoch gives other
-samples and stops in that one line. A checkpoint resumes on the numbers of ranks and workers that wrote it; on
-others the run stops in one line.
+Lightning's fetcher took ahead of training). How each batch says which worker made it, and the order a resumed loader
+hands batches out in: ``steadfast.stream_positions``. An ``IterableDataset`` with ``set_epoch`` (Hugging Face's,
+LitData's) is given the epoch before each epoch's iterator, as Lightning gives it to samplers; with
+``persistent_workers`` the workers keep the copy of the epoch they started in (torch's behaviour), so a resume in a
+later epoch gives other samples, and stops there.
 """
 
 import copy

@@ -150,11 +150,8 @@ def example_inputs(module: LightningModule, config: dict[str, Any]) -> tuple[Inp
     if isinstance(batch, tuple | list):
         # forward(x) of an (x, y) batch takes its first element; forward(inputs, target) (Lightning's demo
         # transformer) as many as it has required positional parameters
-        required = [
-            p
-            for p in _forward_parameters(module).values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-        ]
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        required = [p for p in _forward_parameters(module).values() if p.kind in positional and p.default is p.empty]
         n = min(max(len(required), 1), len(batch))
         what = "its first element as the input" if n == 1 else f"its first {n} elements as forward's {n} inputs"
         return (tuple(batch[:n]), {}), f"a batch of {loader}: {what}"
