@@ -42,9 +42,10 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return x ^ (x >> 31)
 
 
+@functools.cache
 def _seeded_class(cls: type, seed: int, length: int) -> type:
     """``cls`` with the seeded ``__getitem__`` (see the module docstring) in front of its own; the same memory
-    layout (no slots, no dict of its own), so an instance of ``cls`` can take it."""
+    layout (no slots, no dict of its own), so an instance of ``cls`` can take it. One per class, seed and length."""
     own = cls.__getitem__
 
     def __getitem__(self: Any, key: Any) -> Any:
@@ -62,7 +63,6 @@ def _seeded_class(cls: type, seed: int, length: int) -> type:
 
 
 SEEDED = "_seeded_from"  # the class attribute of a seeded class: the dataset's own class
-_CLASSES: dict[tuple[type, int, int], type] = {}
 
 
 def can_seed(dataset: Any) -> bool:
@@ -82,10 +82,7 @@ def seed_per_sample(dataset: Any, seed: int) -> Callable[[], None]:
     cls = type(dataset)
     if SEEDED in vars(cls):
         return lambda: None
-    key = (cls, seed, len(dataset))
-    if key not in _CLASSES:
-        _CLASSES[key] = _seeded_class(*key)
-    dataset.__class__ = _CLASSES[key]
+    dataset.__class__ = _seeded_class(cls, seed, len(dataset))
 
     def undo() -> None:
         dataset.__class__ = cls
