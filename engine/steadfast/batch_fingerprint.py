@@ -35,8 +35,7 @@ MAIN, SEEDED, UNSEEDED = 0, 1, 2  # "how": fetched in the main process; by worke
 
 
 def batch_size(loader: ResumableDataLoader) -> int:
-    batches = loader.batch_sampler
-    return (getattr(batches, "batch_size", None) or 1) if batches is not None else 1
+    return getattr(loader.batch_sampler, "batch_size", None) or 1  # no batch sampler: one sample a batch
 
 
 def keys(sampler: ResumableSampler, epoch: int, skip: int, n: int) -> list[int]:

@@ -109,8 +109,7 @@ def find_best_checkpoint(name: str, family: Path) -> Path:
             f"top-k checkpoint(s) of {run_dir})"
         )
         return scored.path
-    in_run = checkpoints_newest_first(run_dir, *IN_A_RUN)
-    newest = next((p for p in in_run if is_loadable(p)), None)
+    newest = next((p for p in checkpoints_newest_first(run_dir, *IN_A_RUN) if is_loadable(p)), None)
     if newest is None:
         raise ResumeError(
             f"{flag}: {run_dir} holds no loadable checkpoint (in checkpoints/). Give a run folder "
