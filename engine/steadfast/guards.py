@@ -136,7 +136,7 @@ class StopOnNonFinite(Callback):
         epoch, batch = self.where.get(first_bad, (trainer.current_epoch, self.batch_idx))
         message = (
             f"error: the gradients became NaN or infinite at step {first_bad} (epoch {epoch}, batch {batch}); "
-            f"training stopped before updating the weights. {kept}Fix: lower --model.lr or raise --model.warmup, "
+            f"training stopped before updating the weights. {kept}Fix: lower the learning rate or lengthen its warmup, "
             "check the data for NaN/inf, then resume with --ckpt_path last or start again."
         )
         if trainer.is_global_zero:

@@ -176,7 +176,7 @@ def _horizon(
     else:
         lengths = [n for n in (max_epochs, -(-max_steps // per_epoch) if max_steps and per_epoch else None) if n]
     if not lengths:
-        note = "this run has no set end, so after the warmup the rate stays at lr; set model.max_schedule to decay it"
+        note = "this run has no set end, so after the warmup the rate stays at lr (the schedule's max_epochs decays it)"
         return warmup_steps, UNENDING, note
     total = min(lengths)
     what = "steps" if interval == "step" else "epochs"

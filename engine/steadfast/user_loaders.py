@@ -192,7 +192,9 @@ def _torchdata_plain(part: Any) -> bool:
     torchdatas = cls.__module__.startswith("torchdata.stateful_dataloader")
     if not torchdatas or cls.__name__ not in ("RandomSampler", "BatchSampler"):
         return False
-    return not getattr(part, "replacement", False) and getattr(part, "_num_samples", None) is None
+    if cls.__name__ == "BatchSampler":
+        return True
+    return not part.replacement and part.num_samples == len(part.data_source)  # one permutation of every sample
 
 
 def own_order(loader: DataLoader) -> Any:

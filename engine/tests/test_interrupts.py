@@ -34,7 +34,7 @@ def digests(folder) -> dict[str, str]:
 
 def assert_stopped_at_step_with_checkpoints_intact(proc, cwd, step: int, last_good_step: int) -> None:
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert f"NaN or infinite at step {step} " in proc.stderr and "Fix: lower --model.lr" in proc.stderr
+    assert f"NaN or infinite at step {step} " in proc.stderr and "Fix: lower the learning rate" in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (run,) = run_dirs(cwd)
     folder = run / "checkpoints"

@@ -248,3 +248,17 @@ def test_a_killed_two_rank_ddp_fit_of_plain_loaders_resumes_mid_epoch_bitwise_eq
     assert step == 16 and 0 < done < 6, (step, done)  # epoch 2, 4 of 6 batches
     cli("fit", *args, "--ckpt_path", "last", cwd=resumed)
     assert final_difference(reference / "runs", resumed / "runs") == 0
+
+
+def test_torchdatas_stateful_samplers_are_a_plain_shuffle_only_as_one_permutation_of_every_sample():
+    from torchdata.stateful_dataloader.sampler import BatchSampler, RandomSampler
+
+    from steadfast.user_loaders import _torchdata_plain
+
+    data = TensorDataset(torch.arange(10))
+    assert _torchdata_plain(RandomSampler(data)) and _torchdata_plain(RandomSampler(data, num_samples=10))
+    assert not _torchdata_plain(RandomSampler(data, num_samples=4))  # a part of the samples each epoch
+    assert not _torchdata_plain(RandomSampler(data, num_samples=25))  # more than one permutation
+    assert not _torchdata_plain(RandomSampler(data, replacement=True))
+    assert _torchdata_plain(BatchSampler(RandomSampler(data), 3, False))
+    assert not _torchdata_plain(torch.utils.data.RandomSampler(data))  # torch's own is another path
