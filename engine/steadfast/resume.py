@@ -245,7 +245,9 @@ class ExactResume(Callback):
         return self._verdict
 
     def notes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
-        """What of the original run a resume on another number of ranks cannot continue, for the start line."""
+        """What of the original run this resume cannot continue exactly, for the start line: a plain Lightning
+        checkpoint, other CPU threads or ranks, list-state metrics under DDP, another epoch length, counts no
+        checkpoint holds, epoch-start hooks Lightning skips, a resized batch."""
         out = []
         if trainer.ckpt_path is not None and not self._loaded:
             out.append(
