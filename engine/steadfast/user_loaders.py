@@ -189,12 +189,11 @@ def _torchdata_plain(part: Any) -> bool:
     """torchdata's stateful ``RandomSampler`` (a permutation, no replacement) or ``BatchSampler``: a plain shuffle or
     batching that keeps a count."""
     cls = type(part)
-    torchdatas = cls.__module__.startswith("torchdata.stateful_dataloader")
-    if not torchdatas or cls.__name__ not in ("RandomSampler", "BatchSampler"):
+    if not cls.__module__.startswith("torchdata.stateful_dataloader"):
         return False
-    if cls.__name__ == "BatchSampler":
-        return True
-    return not part.replacement and part.num_samples == len(part.data_source)  # one permutation of every sample
+    # a RandomSampler drawing one permutation of every sample
+    shuffle = cls.__name__ == "RandomSampler" and not part.replacement and part.num_samples == len(part.data_source)
+    return shuffle or cls.__name__ == "BatchSampler"
 
 
 def own_order(loader: DataLoader) -> Any:
