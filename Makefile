@@ -15,11 +15,11 @@ WORKERS ?= 2
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
-$(BIN)/.installed: pyproject.toml engine/pyproject.toml
+$(BIN)/.installed: pyproject.toml engine/pyproject.toml engine/requirements/*.txt requirements/*.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e ./engine -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev]"  # the engine with it, from engine/ (never by name)
 # template-only:start (LitData, whose loader's resume the engine's suite checks, without the torchvision it lists: its
 # streaming loader does not import it, and PyPI's torchvision fails to load beside a CPU build of torch)
 	$(BIN)/pip install --quiet --no-deps "litdata>=0.2.50"
@@ -52,25 +52,25 @@ test-long: setup  ## only what make test leaves out (marked long): the same guar
 
 test-all: test test-long  ## the whole suite: make test and make test-long (CI runs both)
 
-test-oldest:  ## the fast tests on the oldest versions pyproject.toml allows, in .venv-oldest (CI runs it)
+test-oldest:  ## the fast tests on the oldest versions the requirements files allow, in .venv-oldest (CI runs it)
 	$(PYTHON) -m venv .venv-oldest
 	.venv-oldest/bin/pip install --quiet --upgrade pip
-	.venv-oldest/bin/pip install --quiet $(TORCH)
+	# torch at its floor too: a build from the registry (CUDA on x86_64, ~3 GB; it runs on the CPU)
 	$(PYTHON) .ci/oldest_constraints.py > .venv-oldest/constraints.txt
-	.venv-oldest/bin/pip install --quiet -c .venv-oldest/constraints.txt -e ./engine -e ".[dev]"
+	.venv-oldest/bin/pip install --quiet -c .venv-oldest/constraints.txt -e ".[dev]"
 	.venv-oldest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
 	.venv-oldest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
 # template-only:start
 	cd engine && ../.venv-oldest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
 # template-only:end
 
-test-newest:  ## the fast tests on the newest versions pyproject.toml allows, in .venv-newest (CI runs it)
+test-newest:  ## the fast tests on the newest versions the requirements files allow, in .venv-newest (CI runs it)
 	$(PYTHON) -m venv .venv-newest
 	.venv-newest/bin/pip install --quiet --upgrade pip
 	.venv-newest/bin/pip install --quiet $(TORCH)
 	# every other dependency at its newest within pyproject.toml's ranges; torch stays the build installed above
 	.venv-newest/bin/python -c "import torch; print('torch==' + torch.__version__)" > .venv-newest/constraints.txt
-	.venv-newest/bin/pip install --quiet --upgrade --upgrade-strategy eager -c .venv-newest/constraints.txt -e ./engine -e ".[dev]"
+	.venv-newest/bin/pip install --quiet --upgrade --upgrade-strategy eager -c .venv-newest/constraints.txt -e ".[dev]"
 	.venv-newest/bin/pip list 2>/dev/null | grep -iE '^(torch|lightning|jsonargparse|torchmetrics|tensorboard|scikit-learn) '
 	.venv-newest/bin/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow and not long" -p no:cacheprovider $(ARGS)
 # template-only:start

@@ -16,7 +16,7 @@ export GIT_COMMITTER_NAME=${GIT_COMMITTER_NAME:-test-copy} GIT_COMMITTER_EMAIL=$
 # shellcheck disable=SC2086  # COPY_FLAGS is a list of flags
 "$python" scripts/new_project.py "$tmp/zebra_net" --name zebra_net ${COPY_FLAGS:-}
 cd "$tmp/zebra_net"
-# the copy's engine, not the template's: steadfast from zebra_net/engine first on the path
+# the copy's engine, not the template's: lightkeep from zebra_net/engine first on the path
 export PYTHONPATH="$PWD/engine:$PWD"
 start=$(date +%s)
 "$python" -m pytest -n "${WORKERS:-2}" --dist loadfile -p no:cacheprovider -m "not long" "$@"

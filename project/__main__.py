@@ -1,10 +1,10 @@
-"""``python -m project fit|validate|test|predict|sweep ...``: the engine's command line (steadfast) with this
+"""``python -m project fit|validate|test|predict|sweep ...``: the engine's command line (lightkeep) with this
 project's base config, ``configs/default.yaml``."""
 
 import gc
 from pathlib import Path
 
-from steadfast import cli_main
+from lightkeep import cli_main
 
 # beside the package (a source checkout, or `pip install -e`), else the working directory (installed into
 # site-packages, run from the project folder)
@@ -21,5 +21,5 @@ if __name__ == "__main__":
         main()
     finally:
         # The process ends here: its objects are left out of the garbage collection at exit (1.2 s with Lightning's
-        # ~450k objects). cli_main itself leaves the heap as it found it (steadfast.run_scope).
+        # ~450k objects). cli_main itself leaves the heap as it found it (lightkeep.run_scope).
         gc.freeze()

@@ -3,7 +3,7 @@
 To train on your own data, write a LightningDataModule like ``DigitsDataModule`` (``setup`` builds datasets,
 ``*_dataloader`` returns ``DataLoader``s, as Lightning's docs teach) and select it with ``--data my_pkg.data.MyData``.
 The engine puts its own samplers into these loaders, so a resumed run sees the same batches and, under DDP, every
-evaluation sample is counted exactly once (``steadfast.user_loaders``).
+evaluation sample is counted exactly once (``lightkeep.user_loaders``).
 """
 
 import lightning as L

@@ -13,7 +13,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from project.nets import MLP
-from steadfast import LinearWarmupCosineAnnealingLR
+from lightkeep import LinearWarmupCosineAnnealingLR
 
 # The default net as the config shows it (`--print_config`); a Classifier built in Python gets an MLP of its own.
 DEFAULT_NET = lazy_instance(MLP)

@@ -129,7 +129,7 @@ def run_side(side: str, spec: dict[str, Any], workdir: Path, args: argparse.Name
     threads = str(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     if args.same_malloc:
-        from steadfast.speed.host_memory import MMAP_THRESHOLD, TRIM_THRESHOLD
+        from lightkeep.speed.host_memory import MMAP_THRESHOLD, TRIM_THRESHOLD
 
         env.update(MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), MALLOC_TRIM_THRESHOLD_=str(TRIM_THRESHOLD))
     imported = workdir / "lightning_imported"
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--same-malloc",
         action="store_true",
-        help="give every side the engine's malloc thresholds (steadfast.speed.host_memory) through the environment, "
+        help="give every side the engine's malloc thresholds (lightkeep.speed.host_memory) through the environment, "
         "to compare the rest: by default only the template sets them",
     )
     parser.add_argument(

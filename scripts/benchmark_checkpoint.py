@@ -44,7 +44,7 @@ FIT_ARGS = ["--model.net.init_args.hidden_sizes", "[4096, 4096, 4096]", "--train
 def stall_pairs(megabytes: float, repeats: int, folder: Path) -> dict:
     import torch
 
-    from steadfast.checkpoint_io import AtomicCheckpointIO
+    from lightkeep.checkpoint_io import AtomicCheckpointIO
 
     width = int((megabytes * 1e6 / (4 * 3 * 4)) ** 0.5)  # 4 layers of width^2 float32 weights, 3 copies each
     torch.manual_seed(0)
@@ -91,7 +91,7 @@ def fit_once(args: list[str], out: Path) -> None:
     """Worker: one in-process fit, its duration written to ``out``."""
     import project.__main__ as entry  # python -m project: its base config
 
-    cli_main = getattr(entry, "main", None) or entry.cli_main  # a checkout from before the engine was steadfast
+    cli_main = getattr(entry, "main", None) or entry.cli_main  # a checkout from before the engine was lightkeep
 
     start, cpu, faults = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     cli = cli_main(["fit", *args])

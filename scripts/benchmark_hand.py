@@ -54,7 +54,7 @@ def digits_loaders(spec: dict[str, Any]) -> tuple[Any, Any]:
     train_set, val_set = TensorDataset(*splits["train"]), TensorDataset(*splits["val"])
     # The blog's DistributedSampler, one replica: the same order as the template's, a pure function of (seed, epoch).
     # The seed is the run's (seed_everything), as the engine's sampler in the template's plain DataLoader takes it
-    # (PL_GLOBAL_SEED, steadfast.user_loaders), not the data module's, which seeds the split only.
+    # (PL_GLOBAL_SEED, lightkeep.user_loaders), not the data module's, which seeds the split only.
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=spec["seed"])
     # A batch is one indexing op, train_set[list of indices], as in the template. As there too, each loader has a
     # generator of its own, so that its base seed never draws from the global RNG and dropout draws the same masks.
@@ -73,7 +73,7 @@ def hand_written(spec: dict[str, Any], out: Path) -> None:
     from tqdm import tqdm
 
     from project.nets import MLP
-    from steadfast.schedule import LinearWarmupCosineAnnealingLR
+    from lightkeep.schedule import LinearWarmupCosineAnnealingLR
 
     torch.manual_seed(spec["seed"])
     torch.use_deterministic_algorithms(spec["deterministic"])

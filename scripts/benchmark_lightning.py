@@ -5,7 +5,7 @@
 A plain LightningModule (the same MLP, AdamW, the same warmup-cosine schedule stepped per step, ``self.log`` of the
 step loss and the epoch metrics), a plain ``TensorBoardLogger``, a ``ModelCheckpoint`` every 2 epochs as the blog
 saves, ``LearningRateMonitor`` as the other two sides log the rate, Lightning's TQDM progress bar, and the blog's
-loaders from ``benchmark_hand.digits_loaders`` (same batches, same order). Nothing of ``steadfast`` runs here but
+loaders from ``benchmark_hand.digits_loaders`` (same batches, same order). Nothing of ``lightkeep`` runs here but
 the schedule. ``benchmark_timer.BenchmarkTimer`` times it, over the same span as the template's.
 """
 
@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from project.nets import MLP
-from steadfast.schedule import LinearWarmupCosineAnnealingLR
+from lightkeep.schedule import LinearWarmupCosineAnnealingLR
 
 
 class PlainClassifier(L.LightningModule):

@@ -10,7 +10,7 @@ import time
 import torch
 from torch.utils.data import TensorDataset
 
-from steadfast.sample_seeds import seed_per_sample
+from lightkeep.sample_seeds import seed_per_sample
 
 SAMPLES = 20_000
 

@@ -39,9 +39,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from project.module import Classifier
 from project.nets import MLP
-from steadfast.compat_logging import skip_moves_already_done
-from steadfast.speed.host_memory import keep_freed_host_memory
-from steadfast.speed.profiler import NoProfiler
+from lightkeep.compat_logging import skip_moves_already_done
+from lightkeep.speed.host_memory import keep_freed_host_memory
+from lightkeep.speed.profiler import NoProfiler
 
 
 def batches(steps: int, batch_size: int) -> DataLoader:

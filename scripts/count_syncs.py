@@ -200,7 +200,7 @@ def table(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 LABELS = {"hand": "(a) hand", "lightning": "(b) lightning", "template": "(c) template"}
-GUARD = "engine/steadfast/guards.py (_read_staged)"
+GUARD = "engine/lightkeep/guards.py (_read_staged)"
 
 
 def label(column: str) -> str:

@@ -37,9 +37,9 @@ HOST_CODE = (
     ("/torch/optim/", "host: optimizer step counters"),
     ("/torch/utils/data/", "host: sampler"),
     # copies the engine staged into host memory steps before (pinned, non-blocking on a GPU): read without waiting
-    ("/steadfast/guards.py:_read_staged", "host: staged copies"),
-    ("/steadfast/agreement.py:sums", "host: staged copies"),  # the ranks' agreements (a stop, last.ckpt's timer)
-    ("/steadfast/compat_logging.py:_staged_bar_values", "host: staged copies"),
+    ("/lightkeep/guards.py:_read_staged", "host: staged copies"),
+    ("/lightkeep/agreement.py:sums", "host: staged copies"),  # the ranks' agreements (a stop, last.ckpt's timer)
+    ("/lightkeep/compat_logging.py:_staged_bar_values", "host: staged copies"),
 )
 SOURCES = (
     # under DDP: Lightning's per-step agreement on a SIGTERM (Lightning issue #21487), a ModelCheckpoint's check of
@@ -50,7 +50,7 @@ SOURCES = (
     ("/lightning/pytorch/callbacks/progress/", "lightning: progress bar"),
     ("/lightning/pytorch/trainer/connectors/logger_connector/", "lightning: logging"),
     ("/lightning/pytorch/loggers/", "lightning: logging"),
-    ("/engine/steadfast/", "engine"),
+    ("/engine/lightkeep/", "engine"),
     ("/lightning/pytorch/callbacks/", "lightning: other callbacks"),
     ("/project/module.py", "module.py"),
     ("/scripts/benchmark", "the script's own code"),

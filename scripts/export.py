@@ -3,18 +3,18 @@
 Writes DIR/model.<format> of the run's LightningModule itself (rebuilt from the run's config.yaml, so run it from
 the project folder), and DIR/model.onnx.data when the ONNX exporter keeps the weights beside the graph (keep the two
 together). Load them:
-  safetensors: from steadfast import load_net; model = load_net("DIR/model.safetensors")
+  safetensors: from lightkeep import load_net; model = load_net("DIR/model.safetensors")
   onnx:        onnxruntime.InferenceSession("DIR/model.onnx").run(None, {"input": x.numpy()})[0]
   pt2:         torch.export.load("DIR/model.pt2").module()(x)
   pth:         model = build(json.load(open("DIR/model.json"))); model.load_state_dict(torch.load("DIR/model.pth"))
-               (build from steadfast.export.weights)
+               (build from lightkeep.export.weights)
 """
 
 import argparse
 
 import torch
 
-from steadfast.export.formats import FORMATS, export
+from lightkeep.export.formats import FORMATS, export
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -133,7 +133,7 @@ from pathlib import Path
 
 import torch
 
-from steadfast.sharded.folders import full_state_dict
+from lightkeep.sharded.folders import full_state_dict
 
 root = Path(sys.argv[1])
 ref, got = (root / f"{k}/digits/version_0/checkpoints/last.ckpt" for k in ("reference", "resumed"))

@@ -4,7 +4,7 @@ The copy is a working project of its own. The package ``project/`` becomes ``my_
 to it follows: imports, ``class_path`` in configs, ``python -m project``, the console script, the name and
 package settings in ``pyproject.toml``, the README title, tests and CI. The word "project" anywhere else stays:
 prose, strings and keywords (W&B's ``args["project"]``, ``project=``), ``pyproject.toml``, TOML tables such as
-``[project.scripts]``. The engine, ``engine/`` (the package ``steadfast``), is no part of that: it travels as one
+``[project.scripts]``. The engine, ``engine/`` (the package ``lightkeep``), is no part of that: it travels as one
 unit, byte for byte at its version, without its own suite (``engine/tests/``).
 
 Files come from ``git ls-files`` plus the untracked files git does not ignore, or, outside git, from a walk that

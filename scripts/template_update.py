@@ -113,7 +113,7 @@ def update(dest: Path) -> tuple[str, list[str]]:
         # a copy made from a template with uncommitted engine changes got them: not the version's files either
         dirty = [p for p in edited if p in (answers.get("uncommitted") or [])]
         came = f" ({', '.join(dirty[:3])}: uncommitted in the template when the copy was made, {RECORD} lists them)"
-        raise UsageError(f"{', '.join(edited[:3])}{' ...' if len(edited) > 3 else ''} differ(s) from steadfast "
+        raise UsageError(f"{', '.join(edited[:3])}{' ...' if len(edited) > 3 else ''} differ(s) from lightkeep "
                          f"{version} at template commit {old[:7]}{came if dirty else ''}: the engine is updated as "
                          f"one unit, never merged. Move your change out of engine/ (a subclass or callback in your "
                          f"package; a fix the engine needs: propose it to the template), undo the edits (git log -p "
@@ -132,7 +132,7 @@ def update(dest: Path) -> tuple[str, list[str]]:
         raise RuntimeError(f"git merge-recursive failed in {dest}: {(merged.stderr or merged.stdout).strip()}")
     log = git(ROOT, "log", "--oneline", "--no-decorate", f"{old}..{head}").stdout
     engines = (answers.get("engine"), _engine_version_at(head))
-    engine = f"; the engine steadfast {engines[0]} -> {engines[1]}, whole" if engines[0] != engines[1] else ""
+    engine = f"; the engine lightkeep {engines[0]} -> {engines[1]}, whole" if engines[0] != engines[1] else ""
     message = f"Template update {old[:7]}..{head[:7]}{engine}\n\n{log}"
     if conflicts:
         squash_msg = git(dest, "rev-parse", "--git-path", "SQUASH_MSG").stdout.strip()

@@ -44,7 +44,7 @@ if [[ $use_torchrun == 1 ]]; then
         -m project fit "$@" --trainer.num_nodes "$nnodes" --trainer.devices "$nproc" --ckpt_path last
 fi
 
-# A run whose rank died writes the one-line report here (engine/steadfast/rank_failures.py); the restart repeats it.
+# A run whose rank died writes the one-line report here (engine/lightkeep/rank_failures.py); the restart repeats it.
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
 for ((attempt = 0; ; attempt++)); do

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import project
-from steadfast.testing import DDP2, QUIET, run_cli, run_dirs, scalars
+from lightkeep.testing import DDP2, QUIET, run_cli, run_dirs, scalars
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAM = project.__name__  # python -m <this package>

@@ -1,10 +1,10 @@
-"""The engine's self-check on this project's own module and data (steadfast.selfcheck): stopped mid-epoch by a
+"""The engine's self-check on this project's own module and data (lightkeep.selfcheck): stopped mid-epoch by a
 SIGTERM, as a preempted job is, and resumed with ``fit --ckpt_path last``, the run ends bitwise equal to the same
 run uninterrupted. Edit the flags to your config's cheapest run that still crosses an epoch."""
 
 import pytest
 
-from steadfast.selfcheck import resume_delta
+from lightkeep.selfcheck import resume_delta
 from tests.helpers import PROGRAM, REPO
 
 pytestmark = pytest.mark.slow  # three real fits: uninterrupted, stopped, resumed

@@ -36,7 +36,7 @@ def test_nothing_under_engine_imports_the_example_or_names_its_classes():
     engine = REPO / "engine"
     files = _python_files(engine)
     # precondition: the scan reads the engine, its suite and its fixtures
-    assert {"steadfast", "tests"} <= {p.relative_to(engine).parts[0] for p in files} and len(files) > 80
+    assert {"lightkeep", "tests"} <= {p.relative_to(engine).parts[0] for p in files} and len(files) > 80
     assert [use for path in files for use in _uses(path)] == []
 
 
@@ -57,7 +57,7 @@ def test_of_all_tests_only_the_templates_own_name_the_example():
 def test_the_check_finds_imports_and_class_paths(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(f"from {PACKAGE}.nets import MLP\nfrom {PACKAGE} import data\nimport {PACKAGE}.module\n"
-                   f"X = '{PACKAGE}.module.Classifier'\nfrom steadfast import cli\n")  # fmt: skip
+                   f"X = '{PACKAGE}.module.Classifier'\nfrom lightkeep import cli\n")  # fmt: skip
     assert [u.split(": ")[1] for u in _uses(bad, root=tmp_path)] == [
         f"{PACKAGE}.{m}" for m in ("nets", "data", "module", "module")
     ]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from steadfast.export.formats import export
-from steadfast.testing import QUIET, lightning_model, load_exported
+from lightkeep.export.formats import export
+from lightkeep.testing import QUIET, lightning_model, load_exported
 from tests.helpers import cli, run_dirs
 
 NETS = {"MLP": [], "CNN": ["--model.net", "project.nets.CNN"]}  # the base config's net, and the other one

@@ -7,7 +7,7 @@ import torch
 from project.data import DigitsDataModule
 from project.module import Classifier
 from project.nets import CNN, MLP
-from steadfast.schedule import FitScheduleToRun
+from lightkeep.schedule import FitScheduleToRun
 
 
 @pytest.mark.parametrize("net", [MLP(), CNN()])

@@ -190,7 +190,7 @@ def _words(text: str, package: str = "project") -> list[str]:
 def test_a_string_or_keyword_that_only_reads_project_keeps_it(generated):
     """W&B's ``project`` key, ``project=`` keywords and prose are no references to the package (issue 26: the copy's
     ``configs/wandb.yaml`` failed with "Option 'acme_ml' is not accepted")."""
-    loggers = generated / "engine" / "steadfast" / "run_loggers.py"
+    loggers = generated / "engine" / "lightkeep" / "run_loggers.py"
     assert 'args["project"] = args.get("project")' in loggers.read_text()
     checked = 0
     for rel in sorted(p for p in template_files() if p.endswith(".py")):
@@ -254,7 +254,7 @@ def test_the_engine_travels_byte_for_byte_without_its_suite(generated, bare):
     ours = {p for p in listed if (REPO / p).is_file()}
     suite = {p for p in ours if p.startswith("engine/tests/")}
     engine = ours - suite
-    assert len(suite) > 40 and "engine/steadfast/cli.py" in engine and "engine/pyproject.toml" in engine
+    assert len(suite) > 40 and "engine/lightkeep/cli.py" in engine and "engine/pyproject.toml" in engine
     for copy in (generated, bare):
         theirs = {p for p in tree(copy) if p.startswith("engine/")}
         assert hashes(copy, theirs) == hashes(REPO, engine), copy
@@ -354,7 +354,7 @@ def test_no_file_of_the_copy_names_a_template_commit(generated):
         ("json", "would shadow the standard-library module 'json'"),
         ("tests", "would clash with the folder tests/"),
         ("project", "the template's own package name"),
-        ("steadfast", "would shadow the engine's package 'steadfast'"),
+        ("lightkeep", "would shadow the engine's package 'lightkeep'"),
         ("engine", "would clash with the folder engine/"),
     ],
 )
@@ -443,9 +443,9 @@ def _unit_tests(project: Path) -> list[str]:
 @pytest.mark.slow
 def test_the_copy_passes_its_unit_tests_and_trains(generated, tmp_path):
     env = _env(generated, tmp_path / "blocker")
-    where = [sys.executable, "-c", "import steadfast; print(steadfast.__file__)"]
+    where = [sys.executable, "-c", "import lightkeep; print(lightkeep.__file__)"]
     found = subprocess.run(where, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
-    assert Path(found.strip()) == generated / "engine" / "steadfast" / "__init__.py"  # the copy's engine runs
+    assert Path(found.strip()) == generated / "engine" / "lightkeep" / "__init__.py"  # the copy's engine runs
     _pytest(generated, env, *_unit_tests(generated))
     fit = [sys.executable, "-m", NAME, "fit", *QUIET, "--trainer.max_epochs", "1", "--trainer.limit_train_batches",
            "3", "--trainer.limit_val_batches", "2", "--model.warmup", "1"]  # fmt: skip

@@ -20,14 +20,14 @@ from tests.helpers import REPO
 from tests.test_new_project import GIT_ID, NAME, _env, _pytest
 
 ENV = {**os.environ, **GIT_ID}
-ENGINE_FILE = "engine/steadfast/schedule.py"  # an engine file the example's module imports (the schedule)
+ENGINE_FILE = "engine/lightkeep/schedule.py"  # an engine file the example's module imports (the schedule)
 ENGINE_PYPROJECT = "engine/pyproject.toml"
 USER_FILE = "project/module.py"  # the owner's: renamed in the copy, merged by --update
 ENGINE_FIX = "\n\ndef template_fix() -> int:\n    return 17\n"
 USER_FILE_FIX = "\n\ndef template_helper() -> int:\n    return 3\n"  # the template's change to an owner's file
-NEW_ENGINE_FILE = ("engine/steadfast/fix.py", '"""A fix."""\n\nfrom steadfast.schedule import template_fix\n')
+NEW_ENGINE_FILE = ("engine/lightkeep/fix.py", '"""A fix."""\n\nfrom lightkeep.schedule import template_fix\n')
 NEW_ENGINE_TEST = ("engine/tests/test_fix.py", "def test_engine_fix():\n    pass\n")  # the suite: never in a copy
-NEW_TEST = ("tests/test_fix.py", "from steadfast.fix import template_fix\n\n\ndef test_fix():\n"
+NEW_TEST = ("tests/test_fix.py", "from lightkeep.fix import template_fix\n\n\ndef test_fix():\n"
             "    assert template_fix() == 17\n")  # fmt: skip
 VERSION = re.compile(r'^version = "(\d+)\.(\d+)\.(\d+)"', re.M)
 
@@ -135,7 +135,7 @@ def test_update_takes_the_next_engine_whole_and_merges_the_owners_files(repos):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     branch = f"template-update-{theirs[:7]}"
     assert branch in proc.stdout and "no conflicts" in proc.stdout
-    assert f"steadfast {old_version} -> {new_version}" in proc.stdout
+    assert f"lightkeep {old_version} -> {new_version}" in proc.stdout
     assert git(copy, "branch", "--show-current").strip() == branch and git(copy, "status", "--porcelain") == ""
     assert git(copy, "rev-parse", "HEAD~1").strip() == user_head
     # the engine: B's files, byte for byte, and no more (not its suite); the record names B and its version
@@ -195,8 +195,8 @@ def test_a_file_the_user_deleted_stays_deleted(repos):
 def test_a_copy_whose_engine_was_changed_is_refused_naming_the_file(repos, how):
     """Never a merge of two engines: the update is refused before anything changes (no branch), naming the file."""
     template, copy = repos
-    deleted = "engine/steadfast/export/formats.py"
-    rel = {"edited": ENGINE_FILE, "added": "engine/steadfast/mine.py", "deleted": deleted}[how]
+    deleted = "engine/lightkeep/export/formats.py"
+    rel = {"edited": ENGINE_FILE, "added": "engine/lightkeep/mine.py", "deleted": deleted}[how]
     if how == "deleted":
         git(copy, "rm", "-q", rel)
     else:

@@ -11,9 +11,9 @@ from typing import Any, BinaryIO
 import lightning as L
 import torch
 
-from steadfast.checkpoint_io import AtomicCheckpointIO, wait_for_writes
-from steadfast.last_checkpoint import LastCheckpoint
-from steadfast.sharded.strategy import ShardedStrategy
+from lightkeep.checkpoint_io import AtomicCheckpointIO, wait_for_writes
+from lightkeep.last_checkpoint import LastCheckpoint
+from lightkeep.sharded.strategy import ShardedStrategy
 
 
 class KillAt(L.Callback):

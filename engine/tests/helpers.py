@@ -6,8 +6,8 @@ import socket
 import sys
 from pathlib import Path
 
-from steadfast.testing import DDP2, QUIET, run_cli, scalars
-from steadfast.testing import run_dirs as _run_dirs
+from lightkeep.testing import DDP2, QUIET, run_cli, scalars
+from lightkeep.testing import run_dirs as _run_dirs
 
 ENGINE = Path(__file__).resolve().parents[1]  # engine/: its tests import as `tests` from here
 REPO = ENGINE.parent  # the template checkout, whose configs/ and scripts/ some engine tests run
@@ -64,8 +64,8 @@ BASE_CONFIG = REPO / "configs" / "default.yaml"  # what `python -m project` read
 
 
 def cli_main(args=None, run: bool = True, base_config=BASE_CONFIG, program: str = "project"):
-    """``steadfast.cli_main`` as ``python -m project`` calls it (the engine tests run the template's entry)."""
-    from steadfast.main import cli_main as engine_cli_main
+    """``lightkeep.cli_main`` as ``python -m project`` calls it (the engine tests run the template's entry)."""
+    from lightkeep.main import cli_main as engine_cli_main
 
     return engine_cli_main(args, run=run, base_config=base_config, program=program)
 

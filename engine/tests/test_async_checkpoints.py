@@ -10,9 +10,9 @@ import pytest
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from steadfast.checkpoint_io import AtomicCheckpointIO
-from steadfast.host_snapshot import HostSnapshot
-from steadfast.run_checkpoints import find_last_checkpoint
+from lightkeep.checkpoint_io import AtomicCheckpointIO
+from lightkeep.host_snapshot import HostSnapshot
+from lightkeep.run_checkpoints import find_last_checkpoint
 from tests.faults import kill_at
 from tests.helpers import QUIET, RUN_NAME, cli, cli_in_process
 
@@ -190,7 +190,7 @@ def test_the_fast_tensor_walk_equals_lightnings_on_every_container_kind():
 
     from lightning_utilities.core.apply_func import apply_to_collection
 
-    from steadfast.host_snapshot import _map_tensors
+    from lightkeep.host_snapshot import _map_tensors
 
     @dataclasses.dataclass
     class Holder:

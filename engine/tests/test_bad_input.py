@@ -207,7 +207,7 @@ def test_bad_values_and_config_files_are_one_line_naming_where_and_make_no_run_f
 def test_the_suggested_debug_switch_brings_the_traceback_back(tmp_path, monkeypatch):
     """jsonargparse 4.52 and 4.53 read JSONARGPARSE_DEBUG as true/false and raise on 1: the switch that every line
     suggests must be one the installed jsonargparse reads, and so must the engine's own handler."""
-    from steadfast.errors import one_line_errors
+    from lightkeep.errors import one_line_errors
 
     for name, content in RAISES_ON_IMPORT.items():
         (tmp_path / name).write_text(content)
@@ -314,8 +314,8 @@ def test_a_sharded_checkpoints_index_carrying_code_is_refused_unrun(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from steadfast.checkpoint_files import CheckpointLoadError
-    from steadfast.sharded.folders import full_state_dict
+    from lightkeep.checkpoint_files import CheckpointLoadError
+    from lightkeep.sharded.folders import full_state_dict
 
     good = tmp_path / "good"  # a real DCP folder: its index's classes are let through
     dcp.save({"state_dict.w": torch.arange(4.0)}, checkpoint_id=good, no_dist=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from steadfast.judge import best_checkpoint
+from lightkeep.judge import best_checkpoint
 from tests.helpers import QUIET, RUN_NAME, cli_in_process, scalars, with_stand_in
 
 SMALL = [*QUIET, "--trainer.limit_train_batches", "4", "--model.net.init_args.hidden_sizes", "[32]",

@@ -114,8 +114,8 @@ def test_out_of_range_values_fail_before_training_with_one_clear_line(workdir, f
 
 
 def test_only_the_given_subcommand_is_built_yet_help_and_typos_list_all_four(capsys):
-    from steadfast.cli import CLI, SUBCOMMANDS
-    from steadfast.main import cli_main
+    from lightkeep.cli import CLI, SUBCOMMANDS
+    from lightkeep.main import cli_main
 
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["--help"])
@@ -142,7 +142,7 @@ class FreezeProbe(Callback):
 
 
 def test_a_run_keeps_the_imported_heap_out_of_full_collections_and_a_python_caller_gets_it_back(tmp_path):
-    """Frozen while a run lasts (0.22 s of start-up, see steadfast.run_scope); once cli_main returns, with
+    """Frozen while a run lasts (0.22 s of start-up, see lightkeep.run_scope); once cli_main returns, with
     arguments or from sys.argv, the heap is collectable again (python -m project freezes it for its exit)."""
     run = [*STAND_IN, *QUIET, "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
            "--trainer.callbacks+=tests.test_cli.FreezeProbe"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Each private Lightning or torch API in engine/steadfast/compat*.py still exists and still does what the engine
+"""Each private Lightning or torch API in engine/lightkeep/compat*.py still exists and still does what the engine
 relies on; a Lightning upgrade that changes one fails here, naming it."""
 
 import ast
@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from steadfast.compat import (
+from lightkeep.compat import (
     cli_section,
     loader_with_sampler,
     request_stop_at_batch_end,
@@ -23,8 +23,8 @@ from steadfast.compat import (
     state_key_arguments,
     uses_distributed_sampler,
 )
-from steadfast.compat_logging import set_csv_columns
-from steadfast.compat_torch import set_nested
+from lightkeep.compat_logging import set_csv_columns
+from lightkeep.compat_torch import set_nested
 from tests.fixtures.stand_in import BlobsDataModule, StandIn
 from tests.helpers import STAND_IN
 
@@ -93,7 +93,7 @@ def test_model_checkpoint_state_key_holds_its_monitor_and_mode():
 
 
 def test_model_checkpoint_saves_last_at_the_end_once_and_not_again_at_the_same_step(tmp_path):
-    from steadfast.checkpoint_files import load_checkpoint_file
+    from lightkeep.checkpoint_files import load_checkpoint_file
 
     saves = []
 
@@ -119,8 +119,8 @@ def test_model_checkpoint_saves_last_at_the_end_once_and_not_again_at_the_same_s
 def test_last_checkpoint_holds_the_final_step_after_a_refresh_during_the_fit(tmp_path):
     """The default's LastCheckpoint: refreshed during the fit (here after every step: interval 0) and still at the
     final step when fit ends, as the saved global step and the weights say."""
-    from steadfast.checkpoint_files import load_checkpoint_file
-    from steadfast.last_checkpoint import LastCheckpoint
+    from lightkeep.checkpoint_files import load_checkpoint_file
+    from lightkeep.last_checkpoint import LastCheckpoint
 
     class Interval(LastCheckpoint):  # a refresh at step 2 only, as a 10-minute interval gives on a long run
         def on_train_batch_end(self, trainer, *args):
@@ -166,7 +166,7 @@ def test_result_metric_to_is_called_at_every_log_and_skipped_once_its_values_are
 
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
 
-    from steadfast.compat_logging import skip_moves_already_done
+    from lightkeep.compat_logging import skip_moves_already_done
 
     assert "self[key].to(value.device)" in inspect.getsource(_ResultCollection.log), (
         "_ResultCollection.log no longer moves the result at every call: drop compat.skip_moves_already_done"
@@ -230,7 +230,7 @@ def test_a_fit_logs_the_same_values_with_and_without_skipped_moves(tmp_path, mon
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
-    from steadfast.compat_logging import skip_moves_already_done
+    from lightkeep.compat_logging import skip_moves_already_done
 
     undo = skip_moves_already_done()
     patched = _ResultMetric.to
@@ -255,7 +255,7 @@ def test_a_fit_logs_the_same_values_with_and_without_skipped_moves(tmp_path, mon
 def test_the_default_profiler_profiles_nothing_at_no_cost_and_a_chosen_one_still_profiles():
     from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
 
-    from steadfast.speed.profiler import NoProfiler
+    from lightkeep.speed.profiler import NoProfiler
     from tests.helpers import cli_main
 
     profiler = NoProfiler()
@@ -271,7 +271,7 @@ def test_skip_moves_names_lightning_issue_and_installs_nothing_where_lightning_n
     at every call (the probe says so), nothing is replaced."""
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
-    from steadfast import compat_logging
+    from lightkeep import compat_logging
 
     doc = compat_logging.skip_moves_already_done.__doc__
     assert "#20388" in doc and "#21769" in doc
@@ -287,7 +287,7 @@ def test_skip_moves_names_lightning_issue_and_installs_nothing_where_lightning_n
 def test_result_metric_to_takes_lightnings_path_for_a_value_it_does_not_know():
     """``_values_on`` knows ``_defaults``, ``_forward_cache``, ``_computed`` and ``value``: a result holding any other
     tensor (a Lightning that adds a field) is moved by Lightning's own ``to``, never skipped."""
-    from steadfast.compat_logging import skip_moves_already_done
+    from lightkeep.compat_logging import skip_moves_already_done
 
     undo = skip_moves_already_done()
     try:
@@ -308,8 +308,8 @@ def test_result_metric_to_takes_lightnings_path_for_a_value_it_does_not_know():
 
 
 def test_fit_loop_saved_counters_are_rewritten_and_an_unknown_layout_stops_the_engine():
-    from steadfast.compat import LightningChanged
-    from steadfast.compat_loops import reopen_an_epoch_stopped_mid_way
+    from lightkeep.compat import LightningChanged
+    from lightkeep.compat_loops import reopen_an_epoch_stopped_mid_way
 
     def counts(n):
         return {"ready": n, "started": n, "processed": n, "completed": n}
@@ -329,7 +329,7 @@ def test_fit_loop_saved_counters_are_rewritten_and_an_unknown_layout_stops_the_e
 def test_model_checkpoint_file_exists_is_replaced_on_the_instance_and_restored(tmp_path):
     from types import SimpleNamespace
 
-    from steadfast.compat import count_pending_saves_as_files, restore_file_exists
+    from lightkeep.compat import count_pending_saves_as_files, restore_file_exists
 
     one_rank = SimpleNamespace(reduce_boolean_decision=lambda decision, all: decision)
     trainer = SimpleNamespace(strategy=one_rank, is_global_zero=True)
@@ -346,7 +346,7 @@ def test_model_checkpoint_file_exists_is_replaced_on_the_instance_and_restored(t
 def test_logger_log_metrics_replaced_and_tensorboard_experiment_read(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from steadfast.compat_logging import experiment_opened, replace_log_metrics
+    from lightkeep.compat_logging import experiment_opened, replace_log_metrics
 
     logger = TensorBoardLogger(tmp_path)
     assert not experiment_opened(logger), "TensorBoardLogger._experiment no longer tells an unopened writer"
@@ -360,7 +360,7 @@ def test_logger_log_metrics_replaced_and_tensorboard_experiment_read(tmp_path):
 
 
 def test_lr_scheduler_last_lr_is_what_get_last_lr_returns():
-    from steadfast.compat_torch import set_last_lr
+    from lightkeep.compat_torch import set_last_lr
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), lambda _: 1)
     set_last_lr(scheduler, [0.25])
@@ -369,7 +369,7 @@ def test_lr_scheduler_last_lr_is_what_get_last_lr_returns():
 
 def test_a_loaders_unstarted_copy_starts_its_own_persistent_workers():
     """``DataLoader._iterator`` holds the persistent workers' iterator; the stream's copy must not share it."""
-    from steadfast.compat_torch import unstarted_copy
+    from lightkeep.compat_torch import unstarted_copy
 
     loader = torch.utils.data.DataLoader(list(range(6)), batch_size=2, num_workers=1, persistent_workers=True)
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
@@ -383,10 +383,10 @@ def test_a_loaders_unstarted_copy_starts_its_own_persistent_workers():
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_loaders_iterators_draw_each_batchs_indices_from_its_index_sampler(workers):
     """``DataLoader._index_sampler``: the property torch's iterators read to draw each batch's indices, which
-    ``steadfast.own_orders`` puts its own in front of (a subclass's property is what the iterators use)."""
+    ``lightkeep.own_orders`` puts its own in front of (a subclass's property is what the iterators use)."""
     from torch.utils.data import DataLoader
 
-    from steadfast.compat_torch import index_sampler
+    from lightkeep.compat_torch import index_sampler
 
     class Reversed(DataLoader):
         @property
@@ -399,7 +399,7 @@ def test_a_loaders_iterators_draw_each_batchs_indices_from_its_index_sampler(wor
 
 
 def test_tensor_version_counts_in_place_writes():
-    from steadfast.compat_torch import version_counter
+    from lightkeep.compat_torch import version_counter
 
     t = torch.zeros(2)
     before = version_counter(t)
@@ -410,8 +410,8 @@ def test_tensor_version_counts_in_place_writes():
 
 
 def test_module_non_persistent_buffers_set_names_the_buffers_state_dict_leaves_out():
-    from steadfast.compat import LightningChanged
-    from steadfast.compat_torch import unsaved_buffers
+    from lightkeep.compat import LightningChanged
+    from lightkeep.compat_torch import unsaved_buffers
 
     module = torch.nn.BatchNorm1d(2)  # its running stats are saved
     module.register_buffer("calls", torch.zeros(()), persistent=False)
@@ -427,7 +427,7 @@ def test_torch_crc32_setting_is_per_thread_so_other_threads_keep_their_checksums
     import threading
     import zipfile
 
-    from steadfast.compat_torch import crc32_off_in_this_thread
+    from lightkeep.compat_torch import crc32_off_in_this_thread
 
     inside, done, results = threading.Event(), threading.Event(), {}
 
@@ -455,7 +455,7 @@ def test_dcp_load_planner_internals_and_reader_load_id():
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from steadfast.compat_torch import index_for_reader
+    from lightkeep.compat_torch import index_for_reader
 
     planner = DefaultLoadPlanner()
     planner.set_up_planner({"a": {"b": 1}}, Metadata(state_dict_metadata={}), is_coordinator=True)
@@ -468,8 +468,8 @@ def test_dcp_load_planner_internals_and_reader_load_id():
 def test_ddp_launcher_procs_and_gloo_peer_messages():
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-    from steadfast.compat_torch import PEER_GONE
-    from steadfast.rank_failures import is_peer_gone
+    from lightkeep.compat_torch import PEER_GONE
+    from lightkeep.rank_failures import is_peer_gone
 
     launcher = _SubprocessScriptLauncher(cluster_environment=None, num_processes=2, num_nodes=1)  # type: ignore
     assert launcher.procs == [], "_SubprocessScriptLauncher.procs is gone (rank 0's children)"
@@ -487,7 +487,7 @@ def test_ddp_launchers_child_process_observer_waits_for_the_report_before_it_kil
 
     from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
-    from steadfast.compat import child_observer_waits
+    from lightkeep.compat import child_observer_waits
 
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     main = subprocess.Popen(sleep)  # stands in for rank 0, which the observer SIGKILLs (not this test's process)
@@ -515,7 +515,7 @@ def test_ddp_launchers_child_process_observer_waits_for_the_report_before_it_kil
 
 
 def test_lightning_cli_hparam_keys_are_the_ones_the_summary_leaves_out():
-    from steadfast.compat import CLI_HPARAM_KEYS
+    from lightkeep.compat import CLI_HPARAM_KEYS
     from tests.helpers import cli_main
 
     cli = cli_main(STAND_IN, run=False)
@@ -523,7 +523,7 @@ def test_lightning_cli_hparam_keys_are_the_ones_the_summary_leaves_out():
     assert added == set(CLI_HPARAM_KEYS), f"LightningCLI's hparam keys are now {sorted(added)}"
 
 
-ENGINE = Path(__file__).resolve().parent.parent / "steadfast"
+ENGINE = Path(__file__).resolve().parent.parent / "lightkeep"
 ALLOWED = {"os._exit"}  # documented by Python
 
 
@@ -541,7 +541,7 @@ def private_uses(source: str) -> list[str]:
             base = node.value
             if not (isinstance(base, ast.Name) and base.id in ("self", "cls")) and ast.unparse(node) not in ALLOWED:
                 found.append(f"{node.lineno}: {ast.unparse(node)}")
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("steadfast"):
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("lightkeep"):
             private_module = any(_private(part) for part in node.module.split("."))
             found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
                       if private_module or _private(a.name)]  # fmt: skip
@@ -585,8 +585,8 @@ def test_no_engine_module_but_the_compat_ones_uses_a_private_name_of_lightning_o
         for path in sorted(ENGINE.rglob("*.py"))
         if not path.name.startswith("compat")
     }
-    found = [f"engine/steadfast/{name}:{use}" for name, names in uses.items() for use in names]
-    assert not found, "private APIs outside engine/steadfast/compat*.py:\n" + "\n".join(found)
+    found = [f"engine/lightkeep/{name}:{use}" for name, names in uses.items() for use in names]
+    assert not found, "private APIs outside engine/lightkeep/compat*.py:\n" + "\n".join(found)
 
 
 def test_update_dataloader_rebuilds_a_loader_of_the_users_class_with_another_sampler():
@@ -616,7 +616,7 @@ def test_accelerator_connector_holds_the_use_distributed_sampler_flag():
 
 
 def test_torch_pytree_tree_map_and_tree_leaves_walk_nested_batches():
-    from steadfast.compat_torch import tree_leaves, tree_map
+    from lightkeep.compat_torch import tree_leaves, tree_map
 
     batch = {"x": torch.ones(2), "pair": (torch.zeros(1), [3])}
     assert tree_leaves(batch)[0] is batch["x"] and len(tree_leaves(batch)) == 3
@@ -630,7 +630,7 @@ def test_model_parallel_setup_checks_configure_model_on_the_instance_and_the_shi
     from lightning.pytorch.strategies import ModelParallelStrategy
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from steadfast.compat import configure_model_counted_as_overridden
+    from lightkeep.compat import configure_model_counted_as_overridden
 
     assert 'is_overridden("configure_model", self.lightning_module)' in inspect.getsource(ModelParallelStrategy.setup)
     module = StandIn()
@@ -645,8 +645,8 @@ def test_fit_loop_epoch_loop_batch_progress_counts_micro_batches_rescaled_for_an
 
     from lightning.pytorch.loops.progress import _BatchProgress
 
-    from steadfast.compat import LightningChanged
-    from steadfast.compat_loops import rescale_batch_progress
+    from lightkeep.compat import LightningChanged
+    from lightkeep.compat_loops import rescale_batch_progress
 
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     progress = trainer.fit_loop.epoch_loop.batch_progress
@@ -674,7 +674,7 @@ def test_bar_values_are_converted_at_every_batch_end_and_read_from_staged_copies
 
     from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 
-    from steadfast.compat_logging import _staged_bar_values, read_bar_values_without_waiting
+    from lightkeep.compat_logging import _staged_bar_values, read_bar_values_without_waiting
 
     assert "convert_tensors_to_scalars(value)" in inspect.getsource(result._ResultCollection.metrics), (
         "_ResultCollection.metrics no longer converts prog_bar values: drop compat.read_bar_values_without_waiting"
@@ -702,7 +702,7 @@ def test_bar_values_are_converted_at_every_batch_end_and_read_from_staged_copies
 def test_fused_adamw_skips_its_step_on_the_device_while_found_inf_is_set():
     """``compat.skips_steps_on_device`` (torch's ``_step_supports_amp_scaling``) and the skip it stands for: weights,
     moments and step counts of a fused AdamW stay bit-equal under ``found_inf = 1``; a plain AdamW has no skip."""
-    from steadfast.compat_torch import skips_steps_on_device
+    from lightkeep.compat_torch import skips_steps_on_device
 
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
@@ -720,8 +720,8 @@ def test_fused_adamw_skips_its_step_on_the_device_while_found_inf_is_set():
 def test_fit_loop_epoch_loop_batches_that_stepped_is_the_loggers_step_one_per_batch_not_per_optimizer_step():
     from types import SimpleNamespace
 
-    from steadfast.compat import LightningChanged
-    from steadfast.compat_loops import logging_step
+    from lightkeep.compat import LightningChanged
+    from lightkeep.compat_loops import logging_step
     from tests.fixtures.kinds import KindData, TwoOptimizers
 
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3, limit_val_batches=0,
@@ -742,8 +742,8 @@ def test_lightning_cli_parse_ckpt_path_is_what_reads_a_checkpoints_hyperparamete
 
     from lightning.pytorch.cli import LightningCLI
 
-    from steadfast.cli import CLI
-    from steadfast.compat import ParsesPlainLightningCheckpoints
+    from lightkeep.cli import CLI
+    from lightkeep.compat import ParsesPlainLightningCheckpoints
 
     assert "_parse_ckpt_path" in vars(LightningCLI), "LightningCLI no longer has _parse_ckpt_path"
     assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI), "LightningCLI no longer calls it"
@@ -766,7 +766,7 @@ def test_training_epoch_loop_broadcast_sigterm_tensor_and_signal_connector_sigte
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
     from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
-    from steadfast.compat import LightningChanged, sigterm_without_a_broadcast_per_batch
+    from lightkeep.compat import LightningChanged, sigterm_without_a_broadcast_per_batch
 
     assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance), (
         "_TrainingEpochLoop.advance no longer broadcasts the SIGTERM flag per batch (Lightning issue #21487 fixed?)"
@@ -848,8 +848,8 @@ def test_result_metric_compute_divides_by_a_synced_integer_count_and_the_patch_m
     samples stand in for a DDP run. A Lightning that no longer truncates fails here, and the patch can go."""
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
-    from steadfast import compat_logging
-    from steadfast.compat_logging import lightning_truncates_synced_counts, weigh_synced_means_by_samples
+    from lightkeep import compat_logging
+    from lightkeep.compat_logging import lightning_truncates_synced_counts, weigh_synced_means_by_samples
 
     assert lightning_truncates_synced_counts(), (
         "_ResultMetric.compute no longer syncs the integer cumulated_batch_size: drop weigh_synced_means_by_samples"
@@ -875,7 +875,7 @@ def test_result_metric_compute_divides_by_a_synced_integer_count_and_the_patch_m
 def test_synced_means_patch_leaves_single_process_values_bit_identical():
     """On one process every logged value (mean, sum, max, min, synced or not, a ``Metric``) is bit-equal to what
     Lightning's own ``_ResultMetric.compute`` gives."""
-    from steadfast.compat_logging import weigh_synced_means_by_samples
+    from lightkeep.compat_logging import weigh_synced_means_by_samples
 
     lightning, _, _ = _logged_means()
     undo = weigh_synced_means_by_samples()
@@ -894,7 +894,7 @@ def test_lightning_ends_an_ended_epoch_again_under_max_steps(tmp_path):
     from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from steadfast.compat_loops import logging_step, start_the_epoch_after_an_ended_one, start_the_epoch_loop_afresh
+    from lightkeep.compat_loops import logging_step, start_the_epoch_after_an_ended_one, start_the_epoch_loop_afresh
 
     class Module(BoringModel):
         def train_dataloader(self):
@@ -943,7 +943,7 @@ def test_fit_loop_data_fetcher_batches_holds_the_batch_fetched_ahead_of_a_loader
     from lightning.pytorch.demos.boring_classes import BoringModel
     from torch.utils.data import DataLoader, IterableDataset
 
-    from steadfast.compat_loops import batches_fetched_ahead
+    from lightkeep.compat_loops import batches_fetched_ahead
 
     class Stream(IterableDataset):
         def __iter__(self):
@@ -970,8 +970,8 @@ def test_a_stateful_dataloader_rebuilt_by_lightning_names_the_sampler_its_batch_
     from torch.utils.data import SequentialSampler
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from steadfast.compat import loader_with_sampler
-    from steadfast.compat_torch import sampler_of_its_batch_sampler
+    from lightkeep.compat import loader_with_sampler
+    from lightkeep.compat_torch import sampler_of_its_batch_sampler
 
     class Hook(L.LightningDataModule):
         def train_dataloader(self):
@@ -1000,7 +1000,7 @@ def test_fit_loop_leaves_loader_states_unloaded_after_estimated_stepping_batches
     from lightning.pytorch.demos.boring_classes import BoringModel
     from torch.utils.data import DataLoader
 
-    from steadfast.compat_loops import load_the_loader_states_lightning_left
+    from lightkeep.compat_loops import load_the_loader_states_lightning_left
 
     class Loader(DataLoader):
         loaded: list = []
@@ -1043,7 +1043,7 @@ def test_lightning_skips_the_plateau_step_of_a_resumed_epoch_and_says_so_at_its_
     Lightning now steps it, the fix can go."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from steadfast.compat_loops import lightning_skips_the_plateau_step, step_the_plateau_schedulers
+    from lightkeep.compat_loops import lightning_skips_the_plateau_step, step_the_plateau_schedulers
 
     class Module(BoringModel):
         def validation_step(self, batch, batch_idx):
@@ -1089,7 +1089,7 @@ def test_validation_loop_seen_batches_per_dataloader_is_the_step_of_on_step_vali
     from lightning.pytorch.demos.boring_classes import BoringModel
     from lightning.pytorch.loggers.logger import Logger
 
-    from steadfast.compat_logging import continue_evaluation_logging_steps, evaluation_logging_steps
+    from lightkeep.compat_logging import continue_evaluation_logging_steps, evaluation_logging_steps
 
     class Record(Logger):
         name, version = "record", 0
@@ -1132,7 +1132,7 @@ def test_fit_loop_combined_loader_mode_says_whether_several_train_loaders_are_cy
     from lightning.pytorch.utilities import CombinedLoader
     from torch.utils.data import DataLoader
 
-    from steadfast.compat_loops import train_loaders_cycle
+    from lightkeep.compat_loops import train_loaders_cycle
 
     class Module(BoringModel):
         def __init__(self, loaders) -> None:
@@ -1168,11 +1168,11 @@ def test_a_fit_stopping_mid_epoch_validates_there_and_says_whether_it_was_due_an
     ``validation_due_without_the_stop`` says whether Lightning would have validated there anyway (with
     ``val_check_interval`` 3, yes). ``skip_saves_at_this_step`` keeps a ``ModelCheckpoint`` by a monitor from
     saving at that step. If this fails because Lightning no longer validates at a stop, the engine's keeping the
-    judges out of it (``steadfast.monitored_values``) can go."""
+    judges out of it (``lightkeep.monitored_values``) can go."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from steadfast.compat import skip_saves_at_this_step
-    from steadfast.compat_loops import stopping_mid_epoch, validation_due_without_the_stop
+    from lightkeep.compat import skip_saves_at_this_step
+    from lightkeep.compat_loops import stopping_mid_epoch, validation_due_without_the_stop
 
     class Module(BoringModel):
         def validation_step(self, batch, batch_idx):
@@ -1213,8 +1213,8 @@ def test_a_batch_end_says_whether_it_stepped_and_a_max_steps_end_mid_epoch_is_a_
     batch 3 of 7: ``stopping_mid_epoch`` says so at the epoch's end hooks Lightning runs there."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from steadfast.compat import request_stop_at_batch_end, stop_requested
-    from steadfast.compat_loops import accumulating, batches_accumulated, stopping_mid_epoch
+    from lightkeep.compat import request_stop_at_batch_end, stop_requested
+    from lightkeep.compat_loops import accumulating, batches_accumulated, stopping_mid_epoch
 
     class Probe(L.Callback):
         def __init__(self) -> None:
@@ -1259,7 +1259,7 @@ def test_ddp_strategy_setup_model_and_register_ddp_hooks_wrap_the_module_again_w
     from lightning.pytorch.strategies import DDPStrategy
     from torch.nn.parallel import DistributedDataParallel
 
-    from steadfast.compat import LightningChanged, rewrap_ddp
+    from lightkeep.compat import LightningChanged, rewrap_ddp
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -1286,7 +1286,7 @@ def test_a_batch_fetched_and_not_yet_trained_is_under_way_until_its_step_is_done
     save, ``OnExceptionCheckpoint``'s, sees), and at the batch end nothing is."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from steadfast.compat_loops import batch_under_way
+    from lightkeep.compat_loops import batch_under_way
 
     class Probe(L.Callback):
         def __init__(self) -> None:
@@ -1319,7 +1319,7 @@ def test_fit_loop_restarted_mid_epoch_says_at_train_start_that_lightning_skips_t
     because Lightning calls the hook on such a resume, the engine's call of the module's can go."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from steadfast.compat_loops import lightning_skips_the_epoch_start
+    from lightkeep.compat_loops import lightning_skips_the_epoch_start
 
     class Module(BoringModel):
         def __init__(self) -> None:
@@ -1350,8 +1350,8 @@ def test_the_modules_batch_end_and_validation_end_run_once_before_the_checkpoint
     Lightning stops calling the module's hook after the callbacks', the next early call says so."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from steadfast.compat import LightningChanged
-    from steadfast.compat_loops import call_the_modules_hook_before_the_saves, forget_the_early_calls
+    from lightkeep.compat import LightningChanged
+    from lightkeep.compat_loops import call_the_modules_hook_before_the_saves, forget_the_early_calls
 
     seen: list[tuple] = []
 
@@ -1393,15 +1393,15 @@ def test_the_modules_batch_end_and_validation_end_run_once_before_the_checkpoint
 
 
 def test_a_tuner_callbacks_search_takes_the_fits_checkpoint_for_its_own_and_sets_the_rate_it_found(tmp_path):
-    """What ``steadfast.tuners`` works around, in plain Lightning: after a ``LearningRateFinder``'s search (in its
+    """What ``lightkeep.tuners`` works around, in plain Lightning: after a ``LearningRateFinder``'s search (in its
     ``on_fit_start``) ``trainer.ckpt_path`` is the search's temporary file, the rate it found is on every param group,
     and on a resume the search consumed the loaded checkpoint, so training starts at step 0, not at the checkpoint's
-    step 4. If this fails because Lightning restores the resume's state after the search, ``steadfast.tuners`` can
+    step 4. If this fails because Lightning restores the resume's state after the search, ``lightkeep.tuners`` can
     let a resume search again. And ``BatchSizeFinder._batch_arg_name``."""
     from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from steadfast.compat import batch_size_finders_attribute
+    from lightkeep.compat import batch_size_finders_attribute
 
     assert batch_size_finders_attribute(BatchSizeFinder(batch_arg_name="per_device")) == "per_device"
     seen: dict = {}
@@ -1443,7 +1443,7 @@ def test_the_training_loops_logged_values_keep_their_running_sums_in_result_metr
 
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
-    from steadfast.compat_logging import continue_epoch_accumulators, epoch_accumulators
+    from lightkeep.compat_logging import continue_epoch_accumulators, epoch_accumulators
 
     def trainer_of(results):
         return SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_results=results)))
@@ -1469,7 +1469,7 @@ def test_a_checkpoint_holds_the_data_modules_state_under_its_class_qualname(tmp_
     """``datamodule_state_in``: Lightning saves a data module's ``state_dict`` under ``type(dm).__qualname__``."""
     from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
-    from steadfast.compat import datamodule_state_in
+    from lightkeep.compat import datamodule_state_in
 
     class Staged(BoringDataModule):
         def state_dict(self):
@@ -1489,7 +1489,7 @@ def test_a_spike_detection_loads_its_own_state_with_the_engines_help():
     ``self.running`` (PR #21752); with the engine's help an instance loads what another saved, on any Lightning."""
     from lightning.pytorch.callbacks import SpikeDetection
 
-    from steadfast.compat import spike_detection_loads_its_state
+    from lightkeep.compat import spike_detection_loads_its_state
 
     saved = SpikeDetection(warmup=3)
     saved.last_val, saved.bad_batches = 0.25, [7]

@@ -32,7 +32,7 @@ def test_every_config_parses(config, monkeypatch, capsys):
 def test_every_sweep_config_parses(config):
     """The sweep's own keys (its space against the fit parser: tests/test_configs.py, the space turns the
     example's arguments)."""
-    from steadfast.sweep.study import build_parser, sweep_from
+    from lightkeep.sweep.study import build_parser, sweep_from
 
     parser = build_parser()
     sweep = sweep_from(parser, parser.parse_args(["--config", str(config)]))  # each spec checked as it is built
@@ -91,14 +91,14 @@ def test_installed_without_editable_the_base_config_is_the_project_folders_or_na
 
 
 def test_the_engines_version_is_the_one_its_package_declares():
-    """``steadfast.__version__`` (what a copy's ``.template.json`` and the start of a bug report quote) is
+    """``lightkeep.__version__`` (what a copy's ``.template.json`` and the start of a bug report quote) is
     ``engine/pyproject.toml``'s, and the CHANGELOG has an entry for it (1.3.0 shipped saying 1.2.0)."""
     import tomllib
 
-    import steadfast
+    import lightkeep
 
     declared = tomllib.loads((ENGINE / "pyproject.toml").read_text())["project"]["version"]
-    assert steadfast.__version__ == declared
+    assert lightkeep.__version__ == declared
     assert f"\n## {declared} (" in (ENGINE / "CHANGELOG.md").read_text()
 
 

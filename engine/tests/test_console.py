@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.checkpoint_files import check_fits
+from lightkeep.checkpoint_files import check_fits
 from tests.fixtures.stand_in import StandIn
 from tests.helpers import DDP2, PYTHONPATH, RUN_NAME, STAND_IN, cli, with_stand_in
 
@@ -77,7 +77,7 @@ def evaluation(stage: str, version: int) -> list[str]:
 
 
 # Every line of a quiet run, in order: a new warning or message (a dependency upgrade) fails the test and is then
-# acted on or silenced on purpose in engine/steadfast/console.py.
+# acted on or silenced on purpose in engine/lightkeep/console.py.
 # the default config's speed switches on a CPU, as the start line names them
 SPEED = (
     " | speed: malloc keeps freed memory, heap frozen (gc), self.log skips moves, saves in the background, "
@@ -153,7 +153,7 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
         ("CrashAt", 10, 1, r"rank 1 raised RuntimeError: injected crash", 8),
         ("KillAt", 14, 0, r"rank 0 was killed by a signal \(kill -9, or out of memory\)", 12),
     ]
-    # limit_val_batches 1 on 2 ranks: 2 batches where one process evaluates 1 (named; steadfast.guarantees)
+    # limit_val_batches 1 on 2 ranks: 2 batches where one process evaluates 1 (named; lightkeep.guarantees)
     per_rank_limit = (
         "limit_val_batches 1 applies per rank: 2 ranks evaluate 2 batches (128 samples) a validation where one "
         "process evaluates 1 (64), so its values are not one process's"
@@ -212,14 +212,14 @@ def test_a_dead_rank_is_reported_in_one_line_and_the_run_resumes(tmp_path: Path)
 
 
 def test_the_resume_command_is_the_users_without_the_class_switches_null_and_the_old_ckpt_path():
-    from steadfast.config import entered, start_from_class_defaults
-    from steadfast.rank_failures import resume_command
+    from lightkeep.config import entered, start_from_class_defaults
+    from lightkeep.rank_failures import resume_command
 
     typed = ["validate", "--model", "my.Model", "--data=my.Data", "--ckpt_path", "best", "--trainer.devices", "2"]
     rewritten = ["prog", *start_from_class_defaults(typed)]  # what sys.argv holds once the CLI has parsed it
     assert rewritten.count("null") == 2
     rest = "fit --model my.Model --data=my.Data --trainer.devices 2 --ckpt_path last"
-    for program in ("steadfast", "project"):  # the engine's own entry, and a project's thin one
+    for program in ("lightkeep", "project"):  # the engine's own entry, and a project's thin one
         with entered(program, None):
             assert resume_command(rewritten) == f"python -m {program} {rest}"
 
@@ -242,7 +242,7 @@ def test_lightnings_observer_spares_rank_0_finishing_a_stop_every_rank_makes(tmp
     from lightning.pytorch.plugins.environments import LightningEnvironment
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from steadfast import rank_failures
+    from lightkeep import rank_failures
 
     monkeypatch.setattr(rank_failures, "HOLD_S", 1.0)
     monkeypatch.setattr(rank_failures, "STOP_HOLD_S", 4.0)

@@ -45,7 +45,7 @@ def test_parameters_unused_in_a_steps_loss_under_ddp_are_one_line_naming_the_str
 
 DESTROYED_AT_EXIT = """
 import atexit, os, torch, torch.distributed as dist
-from steadfast.distributed import DestroyProcessGroup
+from lightkeep.distributed import DestroyProcessGroup
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str({port}))
 dist.init_process_group("gloo", rank=0, world_size=1)
 work = dist.all_reduce(torch.ones(2), async_op=True)  # work of the group's threads, left as an agreement leaves it

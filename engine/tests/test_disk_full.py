@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.checkpoint_io import AtomicCheckpointIO, CheckpointWriteError
+from lightkeep.checkpoint_io import AtomicCheckpointIO, CheckpointWriteError
 from tests.helpers import QUIET, RUN_NAME, cli, cli_in_process, run_dirs
 
 # 3 steps per epoch; the stand-in's default net makes ~1 MB checkpoints, more than the room left on a full disk

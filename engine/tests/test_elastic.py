@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.elastic import Shape, _keep, epoch_note
-from steadfast.loaders import ResumableSampler
-from steadfast.sharded.folders import full_state_dict, read_meta
+from lightkeep.elastic import Shape, _keep, epoch_note
+from lightkeep.loaders import ResumableSampler
+from lightkeep.sharded.folders import full_state_dict, read_meta
 from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, REPO, cli, cli_in_process, run_dirs
 

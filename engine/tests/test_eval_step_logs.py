@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from steadfast.loggers import StepGate
+from lightkeep.loggers import StepGate
 from tests.faults import kill_at
 from tests.fixtures.eval_steps import PER_BATCH, PER_VALIDATION
 from tests.helpers import QUIET, REPO, RUN_NAME, cli, cli_in_process, run_dirs, scalars

@@ -1,6 +1,6 @@
 """An existing Lightning project adopts the engine with nothing copied: its own package (a module and a data module
 written from Lightning's docs, no import of the engine or the template), its own config with its own callbacks list,
-and ``python -m steadfast fit`` run in its folder; or its own ``main.py`` (a ``LightningCLI`` subclass of fixed
+and ``python -m lightkeep fit`` run in its folder; or its own ``main.py`` (a ``LightningCLI`` subclass of fixed
 classes that links an argument, and the config Lightning printed for it) with the one import changed. Killed with
 SIGKILL mid-epoch, ``fit --ckpt_path last`` ends with the weights of the uninterrupted run, bit for bit."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.testing import run_cli, run_dirs
+from lightkeep.testing import run_cli, run_dirs
 from tests.faults import kill_at
 from tests.helpers import ENGINE
 
@@ -119,9 +119,9 @@ if __name__ == "__main__":
 """
 
 
-def steadfast(folder: Path, *args: str, check: bool = True):
+def lightkeep(folder: Path, *args: str, check: bool = True):
     # ENGINE on the path for tests.faults only (the kill); mylab imports from the folder, as `python -m` puts it first
-    return run_cli("steadfast", "fit", "--config", "config.yaml", *args, cwd=folder, pythonpath=str(ENGINE),
+    return run_cli("lightkeep", "fit", "--config", "config.yaml", *args, cwd=folder, pythonpath=str(ENGINE),
                    check=check)  # fmt: skip
 
 
@@ -144,18 +144,18 @@ def resumed_as(project: Path, ref: dict, proc) -> None:
 
 def test_an_existing_lightning_project_killed_mid_epoch_resumes_exactly_with_nothing_copied(tmp_path):
     reference = existing_project(tmp_path / "reference")
-    steadfast(reference)
+    lightkeep(reference)
     ref = final_weights(reference)
     assert ref["global_step"] == 24  # 96 samples in batches of 8, 2 epochs
 
     project = existing_project(tmp_path / "project")
-    proc = steadfast(project, *kill_at(17, settle=True), check=False)  # epoch 1, batch 5: step 15's last.ckpt
+    proc = lightkeep(project, *kill_at(17, settle=True), check=False)  # epoch 1, batch 5: step 15's last.ckpt
     assert proc.returncode == -9, proc.stderr[-3000:]
     (run,) = run_dirs(project, "points")
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 15 and saved["epoch"] == 1, "precondition: a mid-epoch last.ckpt"
 
-    proc = steadfast(project, "--ckpt_path", "last")
+    proc = lightkeep(project, "--ckpt_path", "last")
     resumed_as(project, ref, proc)
     # the user's own ModelCheckpoint judged the run: its monitor is the run's, no example's val/acc
     assert "val/acc" not in proc.stdout + proc.stderr
@@ -174,9 +174,9 @@ def its_own_script(folder: Path) -> Path:
     printed = run_cli("main.py", "fit", "--print_config", "--seed_everything", "7", "--trainer.max_epochs", "2",
                       "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", *monitored,
                       cwd=folder).stdout  # fmt: skip
-    assert "class_path: mylab" not in printed and "steadfast" not in printed, printed
+    assert "class_path: mylab" not in printed and "lightkeep" not in printed, printed
     (folder / "config.yaml").write_text(printed)
-    main.write_text(main.read_text().replace("from lightning.pytorch.cli import", "from steadfast import"))
+    main.write_text(main.read_text().replace("from lightning.pytorch.cli import", "from lightkeep import"))
     return folder
 
 
@@ -189,10 +189,10 @@ def script(folder: Path, *args: str, check: bool = True):
 def test_a_projects_own_lightning_cli_script_with_a_link_keeps_its_config_and_resumes_exactly(tmp_path, monkeypatch):
     reference = its_own_script(tmp_path / "reference")
     # without its script, the config names no class, and the classes named need the linked value: each said so
-    proc = steadfast(reference, check=False)
+    proc = lightkeep(reference, check=False)
     assert proc.returncode == 2 and "config.yaml: no model class is named for 'hidden'" in proc.stderr, proc.stderr
     classes = ["--model", "mylab.model.Regressor", "--data", "mylab.data.Points"]
-    proc = run_cli("steadfast", "fit", *classes, "--config", "config.yaml", cwd=reference, check=False)
+    proc = run_cli("lightkeep", "fit", *classes, "--config", "config.yaml", cwd=reference, check=False)
     assert proc.returncode == 2 and "mylab.model.Regressor needs features" in proc.stderr, proc.stderr
     assert not (reference / "runs").exists()
     # the commands the engine prints are the script's
@@ -207,7 +207,7 @@ def test_a_projects_own_lightning_cli_script_with_a_link_keeps_its_config_and_re
     assert proc.returncode == -9, proc.stderr[-3000:]
     resumed_as(project, ref, script(project, "--ckpt_path", "last"))
     # its config names no class to export: a config naming the module's class does, its arguments from the checkpoint
-    from steadfast.export.formats import load_checkpoint_module
+    from lightkeep.export.formats import load_checkpoint_module
 
     monkeypatch.syspath_prepend(str(project))
     (run,) = run_dirs(project, "points")
@@ -228,14 +228,14 @@ def test_a_scripts_parser_kwargs_and_trainer_defaults_go_where_lightnings_cli_pu
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
     from lightning.pytorch.cli import LightningCLI as PlainCLI
 
-    from steadfast import LightningCLI
+    from lightkeep import LightningCLI
     from tests.fixtures.kinds import Classify, KindData
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["main.py"])
     monkeypatch.setenv("PL_FIT__TRAINER__MAX_EPOCHS", "2")
     built = {}
-    for name, cls in (("plain", PlainCLI), ("steadfast", LightningCLI)):
+    for name, cls in (("plain", PlainCLI), ("lightkeep", LightningCLI)):
         bar, best = TQDMProgressBar(refresh_rate=5), ModelCheckpoint(monitor="val/acc", mode="max")
         cli = cls(Classify, KindData, args=["fit", "--trainer.enable_model_summary", "false"],
                   parser_kwargs={"default_env": True},
@@ -244,6 +244,6 @@ def test_a_scripts_parser_kwargs_and_trainer_defaults_go_where_lightnings_cli_pu
         bars = [c for c in cli.trainer.callbacks if isinstance(c, ProgressBar)]
         assert bars == [bar], (name, bars)
         assert cli.trainer.logger is None and best in cli.trainer.callbacks
-    (plain, _), (ours, best) = built["plain"], built["steadfast"]
+    (plain, _), (ours, best) = built["plain"], built["lightkeep"]
     assert plain.trainer.max_epochs == ours.trainer.max_epochs == 2 and ours.trainer.current_epoch == 2
     assert ours.judge is best and best.best_model_path, "the defaults' ModelCheckpoint judged and saved the run"

@@ -16,9 +16,9 @@ from lightning.pytorch import LightningModule
 from safetensors import safe_open
 from torch import nn
 
-from steadfast.export.formats import export
-from steadfast.export.weights import build
-from steadfast.testing import lightning_model, load_exported
+from lightkeep.export.formats import export
+from lightkeep.export.weights import build
+from lightkeep.testing import lightning_model, load_exported
 from tests.helpers import PYTHONPATH, REPO, RUN_NAME, with_stand_in
 
 # the stand-in with each of its nets (tests/fixtures/stand_in.py), by class name
@@ -91,7 +91,7 @@ def test_safetensors_carry_the_module_recipe_and_load_with_no_pickle_as_an_ordin
     # A fresh interpreter where unpickling anything fails once the classes are imported
     code = (
         "import pickle\n"  # the module's class imported first: Lightning's own imports subclass pickle's classes
-        "import torch, tests.fixtures.stand_in; from steadfast import load_net\n"
+        "import torch, tests.fixtures.stand_in; from lightkeep import load_net\n"
         "pickle.loads = pickle.load = pickle.Unpickler = torch.load = None\n"
         f"net = load_net({str(paths['safetensors'])!r}); print(net(torch.zeros(3, 1, 8, 8)).shape)"
     )

@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from steadfast.guards import StopOnNonFinite
+from lightkeep.guards import StopOnNonFinite
 from tests.fixtures.shapes import DictData, DictRegression
 
 

@@ -1,5 +1,5 @@
-"""A hung DDP rank ends the run in one line (``steadfast.hang_watchdog``), and a dead rank's line is said even
-when Lightning's own child-process observer acts first (``steadfast.rank_failures``). The faults below are
+"""A hung DDP rank ends the run in one line (``lightkeep.hang_watchdog``), and a dead rank's line is said even
+when Lightning's own child-process observer acts first (``lightkeep.rank_failures``). The faults below are
 injected into real 2-rank gloo runs by class path (``--trainer.callbacks+=tests.test_hang.FreezeAt``)."""
 
 import os
@@ -15,9 +15,9 @@ import lightning as L
 import pytest
 import torch
 
-from steadfast.checkpoint_io import wait_for_writes
-from steadfast.hang_watchdog import FROZEN_S, Beat, stalled
-from steadfast.runs import Runs
+from lightkeep.checkpoint_io import wait_for_writes
+from lightkeep.hang_watchdog import FROZEN_S, Beat, stalled
+from lightkeep.runs import Runs
 from tests.helpers import DDP2, QUIET, RUN_NAME, STAND_IN, cli, run_dirs
 
 # Epochs of 4 steps, a checkpoint at each end (the best by val/acc): the run is still training when a fault acts.

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.checkpoint_io import AtomicCheckpointIO
+from lightkeep.checkpoint_io import AtomicCheckpointIO
 from tests.faults import kill_at
 from tests.helpers import DDP2, PYTHONPATH, QUIET, STAND_IN, cli, newest_checkpoint, run_dirs
 

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from steadfast.agreement import AGREE_EVERY
+from lightkeep.agreement import AGREE_EVERY
 from tests.helpers import DDP2, QUIET, cli, run_dirs
 
 pytestmark = pytest.mark.slow

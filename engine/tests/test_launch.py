@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.run_checkpoints import find_last_checkpoint
+from lightkeep.run_checkpoints import find_last_checkpoint
 from tests.helpers import DDP2, PYTHONPATH, QUIET, REPO, RUN_NAME, STAND_IN, free_port, run_dirs, scalars
 from tests.test_summary import SUMMARY
 
@@ -26,7 +26,7 @@ def launch_env(**extra: str) -> dict[str, str]:
     """This interpreter and checkout; no SLURM variables leaking in from a test run inside a SLURM job.
 
     PROJECT_VERBOSE=1: these tests read Lightning's own lines on ranks and launchers ("GLOBAL_RANK: 1, MEMBER: 2/2"),
-    which the quiet console (steadfast.console) leaves out."""
+    which the quiet console (lightkeep.console) leaves out."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     base = {"PYTHON": sys.executable, "PYTHONPATH": PYTHONPATH, "PYTHONWARNINGS": "ignore", "PROJECT_VERBOSE": "1"}
     return {**env, **base, **extra}

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.export.formats import export
-from steadfast.testing import lightning_model, load_exported, run_cli, run_dirs
+from lightkeep.export.formats import export
+from lightkeep.testing import lightning_model, load_exported, run_cli, run_dirs
 from tests.faults import kill_at
 from tests.helpers import DDP2, ENGINE, QUIET
 
@@ -40,7 +40,7 @@ def wikitext(folder: Path) -> Path:
 
 
 def fit(folder: Path, *args: str, check: bool = True):
-    return run_cli("steadfast", "fit", *args, cwd=folder, pythonpath=str(ENGINE), check=check)  # tests.faults
+    return run_cli("lightkeep", "fit", *args, cwd=folder, pythonpath=str(ENGINE), check=check)  # tests.faults
 
 
 def last(folder: Path, family: str) -> dict:

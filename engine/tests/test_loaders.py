@@ -1,11 +1,11 @@
-"""The samplers and loaders that make DDP evaluation exact and resumes land on the same batch (steadfast.loaders).
+"""The samplers and loaders that make DDP evaluation exact and resumes land on the same batch (lightkeep.loaders).
 The example's DataModule: tests/test_data.py."""
 
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from steadfast.loaders import ResumableDataLoader, ResumableSampler, check_eval_share
+from lightkeep.loaders import ResumableDataLoader, ResumableSampler, check_eval_share
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

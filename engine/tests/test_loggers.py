@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.loggers import ThrottledTensorBoardLogger
+from lightkeep.loggers import ThrottledTensorBoardLogger
 from tests.helpers import QUIET, REPO, RUN_NAME, cli, cli_in_process, scalars
 
 
@@ -190,7 +190,7 @@ def test_resume_continues_the_same_run_with_each_step_logged_once(name, tmp_path
 
 
 def test_an_appended_tensorboard_or_csv_logger_gets_a_placeholder_save_dir_once_and_others_nothing():
-    from steadfast.loggers import let_appended_loggers_parse
+    from lightkeep.loggers import let_appended_loggers_parse
 
     args = ["fit", "--trainer.logger+=CSVLogger", "--trainer.max_epochs", "1", "--trainer.logger+", "TensorBoardLogger",
             "--trainer.logger+=lightning.pytorch.loggers.WandbLogger", "--trainer.logger+=NoSuchLogger"]  # fmt: skip

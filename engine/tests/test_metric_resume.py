@@ -1,5 +1,5 @@
 """An epoch's torchmetrics state, and the running sums of tensors logged with ``on_epoch=True``, survive a mid-epoch
-resume (steadfast.resume), for a module that does nothing for them; the metric states stay out of the weights."""
+resume (lightkeep.resume), for a module that does nothing for them; the metric states stay out of the weights."""
 
 import pytest
 import torch
@@ -26,7 +26,7 @@ def test_the_start_line_names_metrics_with_list_states_that_ddp_checkpoints_leav
 
     from torchmetrics import CatMetric, MeanMetric
 
-    from steadfast.resume import ExactResume
+    from lightkeep.resume import ExactResume
 
     resume = ExactResume()
     resume._metrics = {"train_mean": MeanMetric(), "train_scores": CatMetric()}

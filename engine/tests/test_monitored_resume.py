@@ -1,6 +1,6 @@
 """What a run's callbacks judge by survives a kill: a ``ModelCheckpoint`` of the user's that saves every few steps by
 a validation metric, and a ``ReduceLROnPlateau`` on it, after ``fit --ckpt_path last`` from a mid-epoch checkpoint,
-keep the files, scores and LR of the uninterrupted run (``steadfast.monitored_values``). The kills are real CLI
+keep the files, scores and LR of the uninterrupted run (``lightkeep.monitored_values``). The kills are real CLI
 processes; the uninterrupted references and the resumes run the same CLI in this process (no interpreter start)."""
 
 import pytest
@@ -36,7 +36,7 @@ def test_a_resume_keeps_the_files_scores_and_plateau_lr_of_a_monitor_between_val
     # The killed run names its folder relative to its working directory ("runs", the default), the resume in this
     # process by an absolute --run.root: Lightning restores a ModelCheckpoint's files and scores only where the saved
     # dirpath is the resume's as a string, so the engine writes the saved paths in the resume's spelling
-    # (steadfast.run_folder; without that, the scores below started afresh)
+    # (lightkeep.run_folder; without that, the scores below started afresh)
     killed = cli("fit", *ARGS, *kill_at(17, settle=True), cwd=resumed, check=False)
     assert killed.returncode == -9, killed.stderr[-2000:]
     (run,) = run_dirs(resumed, "kind")

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from steadfast.batch_fingerprint import hashes
-from steadfast.next_batch import _own_position_checked
-from steadfast.stream_positions import Made, Position
+from lightkeep.batch_fingerprint import hashes
+from lightkeep.next_batch import _own_position_checked
+from lightkeep.stream_positions import Made, Position
 from tests.helpers import QUIET, cli_in_process
 
 SEED = 42  # configs/default.yaml's seed_everything: the engine's samplers draw each epoch's order from seed + epoch

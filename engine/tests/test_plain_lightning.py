@@ -8,8 +8,8 @@ import lightning as L
 import pytest
 import torch
 
-from steadfast.checkpoint_files import load_checkpoint_file
-from steadfast.export.formats import example_inputs
+from lightkeep.checkpoint_files import load_checkpoint_file
+from lightkeep.export.formats import example_inputs
 from tests.fixtures.stand_in import BlobsDataModule, StandIn
 from tests.helpers import PYTHONPATH, QUIET, REPO, cli, cli_in_process
 
@@ -127,7 +127,7 @@ def test_a_forward_of_two_inputs_is_traced_on_a_batchs_first_two_elements(monkey
         def predict_dataloader(self):
             return [batch]
 
-    import steadfast.export.formats as export
+    import lightkeep.export.formats as export
 
     monkeypatch.setattr(export, "build", lambda recipe, kind: Data())
     (args, kwargs), said = example_inputs(TwoInputs(), {"data": "x.Data"})

@@ -1,4 +1,4 @@
-"""Which parts of a module the plain-value record covers (``steadfast.plain_state``), without a fit: the run-level
+"""Which parts of a module the plain-value record covers (``lightkeep.plain_state``), without a fit: the run-level
 behaviour (a count named at a resume, with both values) is in ``test_resume_epoch_start``."""
 
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ import torch
 from torch.ao.quantization import FakeQuantize
 from torchmetrics import Metric
 
-from steadfast.plain_state import record_unsaved, unsaved_notes
+from lightkeep.plain_state import record_unsaved, unsaved_notes
 from tests.fixtures.epoch_start import SampleWarmup
 
 

@@ -10,7 +10,7 @@ import torch
 import yaml
 from torch.utils.data import DataLoader, TensorDataset
 
-from steadfast.predictions import PredictionWriter
+from lightkeep.predictions import PredictionWriter
 from tests.fixtures.stand_in import SAMPLES, BlobsDataModule, StandIn
 from tests.helpers import QUIET, RUN_NAME, cli, cli_in_process
 
@@ -97,8 +97,8 @@ def test_predict_writes_index_pred_and_probabilities_of_every_sample_as_the_mode
     assert header == ["index", "pred", *(f"prob_{c}" for c in range(10))]
     assert [int(r[0]) for r in rows] == list(range(PREDICT_SIZE))
     # independent oracle: the checkpoint's module on the test split, in this process, in one batch
-    from steadfast.checkpoint_files import load_checkpoint_file
-    from steadfast.export.weights import build
+    from lightkeep.checkpoint_files import load_checkpoint_file
+    from lightkeep.export.weights import build
 
     net = yaml.safe_load((fitted[1].parent.parent / "config.yaml").read_text())["model"]["init_args"]["net"]
     module = StandIn(build(net)).eval()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
-from steadfast.speed import host_memory
+from lightkeep.speed import host_memory
 from tests.helpers import QUIET, cli_in_process
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.run_checkpoints import is_loadable, read_global_step
+from lightkeep.run_checkpoints import is_loadable, read_global_step
 from tests.faults import kill_at
 from tests.helpers import (
     DDP2,
@@ -182,7 +182,7 @@ def test_sigterm_saves_last_and_exits_143_and_the_resume_is_exact(uninterrupted,
 @pytest.mark.long  # CI and make test-all; SIGTERM's save and resume: make test's are named above
 def test_sigusr1_outside_slurm_saves_last_and_exits_as_sigterm_and_the_resume_is_exact(uninterrupted, tmp_path):
     # SIGUSR1 is what a scheduler sends ahead of a time limit (SLURM's --signal, others'); outside SLURM the engine
-    # takes it as a SIGTERM (steadfast.signals.Preemption.setup). Under SLURM it is Lightning's requeue: test_launch.py
+    # takes it as a SIGTERM (lightkeep.signals.Preemption.setup). Under SLURM it is Lightning's requeue: test_launch.py
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     assert not SLURMEnvironment.detect()  # the precondition: the run (which inherits this environment) is not SLURM's

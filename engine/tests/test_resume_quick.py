@@ -47,8 +47,8 @@ def test_a_net_compiled_in_configure_model_resumes_exactly_validates_and_exports
     different network ... net.layers.1.bias is missing"), naming a --config that did not help; the export wrote
     ``_orig_mod`` keys that ``load_net`` could not load. Now: resumed mid-epoch bitwise equal to the uninterrupted
     run, validated, and exported with the keys of the network as built (``load_net`` gives the checkpoint's)."""
-    from steadfast import load_net
-    from steadfast.export.formats import export
+    from lightkeep import load_net
+    from lightkeep.export.formats import export
 
     compiled = [*ARGS, "--model", "tests.fixtures.compiled.CompiledStandIn"]
     cli_in_process("fit", *compiled, root=tmp_path / "reference")

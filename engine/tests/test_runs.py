@@ -8,8 +8,8 @@ import pytest
 import torch
 from jsonargparse import Namespace
 
-from steadfast.run_checkpoints import ResumeError
-from steadfast.runs import default_name, family_dir, plan_run
+from lightkeep.run_checkpoints import ResumeError
+from lightkeep.runs import default_name, family_dir, plan_run
 from tests.helpers import RUN_NAME, cli
 
 
@@ -190,8 +190,8 @@ def _set_up_run_folders(rank: int, init: str, cases: list[list[str | None]], sai
     (what each rank's plan resumes from), and what it raised."""
     from types import SimpleNamespace
 
-    from steadfast.run_folder import RunFolder
-    from steadfast.runs import RunPlan
+    from lightkeep.run_folder import RunFolder
+    from lightkeep.runs import RunPlan
 
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     trainer = SimpleNamespace(strategy=SimpleNamespace(broadcast=lambda x: x), world_size=2, checkpoint_callbacks=[],
@@ -233,7 +233,7 @@ def test_workers_torchrun_restarted_continue_the_run_their_agent_started_not_an_
     """torchrun's run id is "none" unless given: the run of a restarted worker is the one whose run.json lists this
     worker's agent (its parent process, which outlives the workers it restarts), not a run an earlier torchrun of the
     same command left (another agent); the first attempt (restart 0) starts fresh."""
-    from steadfast.runs import torchrun_agent
+    from lightkeep.runs import torchrun_agent
 
     family = tmp_path / RUN_NAME
     command = ["fit", "--trainer.devices", "2"]

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from steadfast.loaders import ResumableSampler
-from steadfast.sample_seeds import can_seed, sample_seed, worker_init
+from lightkeep.loaders import ResumableSampler
+from lightkeep.sample_seeds import can_seed, sample_seed, worker_init
 from tests.faults import kill_at
 from tests.fixtures.augment import Augmented, AugmentedBlobs
 from tests.helpers import DDP2, QUIET, cli, cli_in_process, run_dirs

@@ -7,13 +7,13 @@ import lightning as L
 import pytest
 import torch
 
-from steadfast.schedule import FitScheduleToRun, LinearWarmupCosineAnnealingLR
+from lightkeep.schedule import FitScheduleToRun, LinearWarmupCosineAnnealingLR
 from tests.fixtures.stand_in import SAMPLES, BlobsDataModule, StandIn
 from tests.helpers import QUIET, cli_in_process, crash_in_process, max_abs_diff
 
 
 def formula(t: int, b: float, w: int, m: int, ws: float, eta: float) -> float:
-    """The curve as specified, written independently of steadfast.schedule (edge cases as documented)."""
+    """The curve as specified, written independently of lightkeep.schedule (edge cases as documented)."""
     if t < w:
         return ws + t * (b - ws) / (w - 1) if w >= 2 else ws
     if t >= m:

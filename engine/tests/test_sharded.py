@@ -4,11 +4,11 @@ resume after SIGKILL (epoch end and mid-epoch) against an uninterrupted run, res
 import pytest
 import torch
 
-from steadfast.export.formats import export
-from steadfast.export.weights import load_net
-from steadfast.judge import best_checkpoint
-from steadfast.run_checkpoints import read_global_step
-from steadfast.sharded.folders import full_state_dict, read_meta
+from lightkeep.export.formats import export
+from lightkeep.export.weights import load_net
+from lightkeep.judge import best_checkpoint
+from lightkeep.run_checkpoints import read_global_step
+from lightkeep.sharded.folders import full_state_dict, read_meta
 from tests.faults import kill_at
 from tests.helpers import PYTHONPATH, QUIET, REPO, cli, newest_checkpoint, run_dirs, scalars
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from steadfast.compat import launched_children
-from steadfast.signals import AGREE_EVERY, STOP_WITHIN
+from lightkeep.compat import launched_children
+from lightkeep.signals import AGREE_EVERY, STOP_WITHIN
 from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, cli, run_dirs
 
@@ -29,11 +29,11 @@ aten = torch.ops.aten
 READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.nonzero.default}
 # Reads of host memory on a GPU too: copies the engine staged without waiting steps before (pinned memory there), the
 # samplers' draws, the optimizer's step counters. Every other read, and every collective the host waits for, drains.
-STAGED = ("steadfast/guards.py:_read_staged", "steadfast/agreement.py:sums", "compat_logging.py:_staged_bar")
+STAGED = ("lightkeep/guards.py:_read_staged", "lightkeep/agreement.py:sums", "compat_logging.py:_staged_bar")
 HOST_SIDE = ("/torch/utils/data/", "/torch/optim/")
-# The engine's parts that agree across the ranks without waiting (steadfast.agreement): the stop on a signal,
+# The engine's parts that agree across the ranks without waiting (lightkeep.agreement): the stop on a signal,
 # the timed last.ckpt
-AGREEING = ("steadfast/signals.py", "steadfast/last_checkpoint.py")
+AGREEING = ("lightkeep/signals.py", "lightkeep/last_checkpoint.py")
 
 
 class CountWaits(L.Callback):
@@ -120,7 +120,7 @@ def test_under_ddp_the_host_waits_once_per_50_steps_with_signals_the_timed_last_
         per_step = sorted({(kind, where) for step, kind, where, *_ in events if step in drains and kind != "async"})
         assert len(drains) <= math.ceil(steps / 50), f"rank {rank} waited at steps {sorted(drains)}: {per_step}"
         # the NaN guard is on and reads its flag (a host copy) where Lightning's logging waits anyway: one wait
-        guard = staged["steadfast/guards.py:_read_staged"]
+        guard = staged["lightkeep/guards.py:_read_staged"]
         assert guard and guard <= drains, f"rank {rank}: the guard read at {sorted(guard)}, the host waited at {drains}"
         # the signal handling and last.ckpt's timer are on: the ranks agree without waiting, every AGREE_EVERY
         # batches, each part on its own

@@ -6,8 +6,8 @@ import lightning as L
 import pytest
 import torch
 
-from steadfast.schedule import FitScheduleToRun
-from steadfast.speed.switches import Compile, MatmulPrecision
+from lightkeep.schedule import FitScheduleToRun
+from lightkeep.speed.switches import Compile, MatmulPrecision
 from tests.fixtures.stand_in import BlobsDataModule, StandIn
 from tests.helpers import QUIET, REPO, cli, run_dirs, scalars
 

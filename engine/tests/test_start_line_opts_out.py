@@ -1,4 +1,4 @@
-"""What a fresh run's start line names under ``opts out:`` (``steadfast.guarantees``) for settings the README lists as
+"""What a fresh run's start line names under ``opts out:`` (``lightkeep.guarantees``) for settings the README lists as
 not kept exact and that no other test reads: checkpointing off, a logger the engine does not know, augmenting loader
 workers with ``run.seed_per_sample`` off, the workers of a loader that keeps its own position, Lightning's
 ``StochasticWeightAveraging``. In this process, one short fit each; and, on 2 DDP ranks in
@@ -8,7 +8,7 @@ and an evaluation loader's ``drop_last``, counted."""
 import pytest
 from lightning.pytorch.loggers.logger import Logger
 
-from steadfast.guarantees import per_rank_limit
+from lightkeep.guarantees import per_rank_limit
 from tests.helpers import DDP2, QUIET, cli, cli_in_process, run_dirs, scalars
 
 

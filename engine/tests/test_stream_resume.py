@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.stream_positions import Made, Position
+from lightkeep.stream_positions import Made, Position
 from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, cli, cli_in_process, max_abs_diff
 
@@ -610,7 +610,7 @@ def test_a_loader_with_its_own_sampler_resumed_mid_epoch_gives_the_rest_of_the_u
     the global generators left as they were."""
     from torch.utils.data import DataLoader
 
-    from steadfast.own_orders import OwnOrder, ReplaysOwnOrder
+    from lightkeep.own_orders import OwnOrder, ReplaysOwnOrder
     from tests.fixtures.streams import Shuffled, TokenSet
 
     epoch = [0]

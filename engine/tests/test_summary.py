@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from steadfast.judge import scored_checkpoint
+from lightkeep.judge import scored_checkpoint
 from tests.helpers import QUIET, cli, run_dirs, scalars
 
 pytestmark = pytest.mark.slow  # real runs of the CLI in subprocesses

@@ -1,4 +1,4 @@
-"""Which parameters train (``steadfast.trainable``), with Lightning's ``BaseFinetuning`` as its docs teach it: a
+"""Which parameters train (``lightkeep.trainable``), with Lightning's ``BaseFinetuning`` as its docs teach it: a
 resume after the unfreeze trains the unfrozen block on, and its BatchNorm tracks its statistics again, as the
 uninterrupted run (Lightning #21901); under DDP every rank syncs the block's gradients from the unfreeze on
 (Lightning #20340), so that the ranks hold one model. Oracles: the uninterrupted run, and rank 0 against rank 1."""

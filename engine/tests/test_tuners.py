@@ -69,8 +69,8 @@ def test_a_resume_takes_the_configs_tuners_out_before_the_trainer_is_built():
     ``configure_callbacks``' are (Lightning runs their ``setup`` first, as it would without the engine)."""
     from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, ModelSummary
 
-    from steadfast.resume import ExactResume
-    from steadfast.tuners import TunersOnceARun
+    from lightkeep.resume import ExactResume
+    from lightkeep.tuners import TunersOnceARun
 
     other, finders = ModelSummary(), [BatchSizeFinder(batch_arg_name="batch_size"), LearningRateFinder()]
     resuming = TunersOnceARun(resuming=True, resume=ExactResume(None))

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadfast.checkpoint_files import CheckpointLoadError, load_checkpoint_file
-from steadfast.compat_torch import load_bytes_weights_only
-from steadfast.sharded.folders import INDEX, META, _IndexUnpickler, check_complete, full_state_dict, read_meta
+from lightkeep.checkpoint_files import CheckpointLoadError, load_checkpoint_file
+from lightkeep.compat_torch import load_bytes_weights_only
+from lightkeep.sharded.folders import INDEX, META, _IndexUnpickler, check_complete, full_state_dict, read_meta
 
 # (module, dotted name) pairs that reach os.system through modules an unpickler might allow
 DOTTED = [

@@ -13,8 +13,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from steadfast.loaders import ResumableSampler
-from steadfast.user_loaders import engine_loader
+from lightkeep.loaders import ResumableSampler
+from lightkeep.user_loaders import engine_loader
 from tests.faults import kill_at
 from tests.helpers import DDP2, QUIET, cli, cli_in_process, max_abs_diff, run_dirs, scalars
 
@@ -148,13 +148,13 @@ EXACT = "yes, also mid-epoch (each resume checks its first batch)"  # a fresh ru
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        # the user's own sampler: its order is drawn again on a resume (steadfast.own_orders), unless restart
+        # the user's own sampler: its order is drawn again on a resume (lightkeep.own_orders), unless restart
         (["--data.train_sampler", "own"], f"exact resume: {EXACT} | streams: train loader 0 (EveryOtherSampler): a "
                                           "mid-epoch resume draws its order again, past the batches trained on"),
         (["--data.train_sampler", "own", "--run.stream_resume", "restart"],
          "train loader 0: its sampler EveryOtherSampler is the user's own: a mid-epoch resume restarts that epoch's "
          "data"),
-        # a stream without state is fast-forwarded (steadfast.stream_resume), checked against its fingerprint
+        # a stream without state is fast-forwarded (lightkeep.stream_resume), checked against its fingerprint
         (["--data.train_sampler", "stream"], f"exact resume: {EXACT} | streams: train loader 0 (Stream), "
                                              "no state_dict: a mid-epoch resume fast-forwards it"),
         (["--data.train_sampler", "weighted"], f"exact resume: {EXACT}"),
@@ -253,7 +253,7 @@ def test_a_killed_two_rank_ddp_fit_of_plain_loaders_resumes_mid_epoch_bitwise_eq
 def test_torchdatas_stateful_samplers_are_a_plain_shuffle_only_as_one_permutation_of_every_sample():
     from torchdata.stateful_dataloader.sampler import BatchSampler, RandomSampler
 
-    from steadfast.user_loaders import _torchdata_plain
+    from lightkeep.user_loaders import _torchdata_plain
 
     data = TensorDataset(torch.arange(10))
     assert _torchdata_plain(RandomSampler(data)) and _torchdata_plain(RandomSampler(data, num_samples=10))
