@@ -217,9 +217,12 @@ def test_the_copy_logs_to_wandb_offline(generated, tmp_path):
 
 def test_pyproject_names_the_new_package_and_keeps_its_tables(generated):
     meta = pytest.importorskip("tomllib").loads((generated / "pyproject.toml").read_text())
-    assert meta["project"]["name"] == NAME and "dev" in meta["project"]["optional-dependencies"]  # tables stay
+    setuptools = meta["tool"]["setuptools"]
+    assert meta["project"]["name"] == NAME and "dev" in setuptools["dynamic"]["optional-dependencies"]  # tables stay
     assert list(meta["project"]["scripts"]) == [NAME] and meta["project"]["scripts"][NAME].startswith(f"{NAME}.")
-    assert all(p.startswith(NAME) for p in meta["tool"]["setuptools"]["packages"]["find"]["include"])
+    # the copy's package and the engine it vendors (engine/lightkeep), never the engine by name from a registry
+    assert setuptools["packages"]["find"]["include"] == [f"{NAME}*", "lightkeep*"]
+    assert "lightkeep" not in " ".join(meta["project"].get("dependencies", []))
 
 
 def _values(node):
