@@ -12,8 +12,8 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from project.nets import MLP
 from lightkeep import LinearWarmupCosineAnnealingLR
+from project.nets import MLP
 
 # The default net as the config shows it (`--print_config`); a Classifier built in Python gets an MLP of its own.
 DEFAULT_NET = lazy_instance(MLP)

@@ -72,8 +72,8 @@ def hand_written(spec: dict[str, Any], out: Path) -> None:
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
-    from project.nets import MLP
     from lightkeep.schedule import LinearWarmupCosineAnnealingLR
+    from project.nets import MLP
 
     torch.manual_seed(spec["seed"])
     torch.use_deterministic_algorithms(spec["deterministic"])

@@ -23,8 +23,8 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQ
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
-from project.nets import MLP
 from lightkeep.schedule import LinearWarmupCosineAnnealingLR
+from project.nets import MLP
 
 
 class PlainClassifier(L.LightningModule):

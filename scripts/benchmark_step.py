@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from project.module import Classifier
-from project.nets import MLP
 from lightkeep.compat_logging import skip_moves_already_done
 from lightkeep.speed.host_memory import keep_freed_host_memory
 from lightkeep.speed.profiler import NoProfiler
+from project.module import Classifier
+from project.nets import MLP
 
 
 def batches(steps: int, batch_size: int) -> DataLoader:

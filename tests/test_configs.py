@@ -26,10 +26,10 @@ def test_every_config_parses_with_the_example(config, monkeypatch, capsys):
 
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("sweep*.yaml")), ids=lambda p: p.name)
 def test_every_sweep_config_parses_and_its_space_fits_the_fit_parser(config):
-    from project.__main__ import BASE_CONFIGS, main
     from lightkeep.config import entered
     from lightkeep.sweep.space import check_space
     from lightkeep.sweep.study import build_parser, fit_cli, sweep_from
+    from project.__main__ import BASE_CONFIGS, main
 
     parser = build_parser()
     sweep = sweep_from(parser, parser.parse_args(["--config", str(config)]))

@@ -4,10 +4,10 @@ import lightning as L
 import pytest
 import torch
 
+from lightkeep.schedule import FitScheduleToRun
 from project.data import DigitsDataModule
 from project.module import Classifier
 from project.nets import CNN, MLP
-from lightkeep.schedule import FitScheduleToRun
 
 
 @pytest.mark.parametrize("net", [MLP(), CNN()])

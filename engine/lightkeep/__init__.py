@@ -85,7 +85,7 @@ Optional parts a reader can skip live in subpackages: ``sweep/`` (Optuna studies
 ``sharded/`` (FSDP2 and its folders), ``speed/`` (switches that change how fast, not what is computed).
 """
 
-__version__ = "1.12.0"  # engine/pyproject.toml's; CHANGELOG.md says what each version changes for users
+__version__ = "1.13.0"  # engine/pyproject.toml's; CHANGELOG.md says what each version changes for users
 
 # The public names (docs/engine.md), imported when first used: `import lightkeep` alone builds no CLI.
 _PUBLIC = {
