@@ -72,6 +72,10 @@ def pip_install(python: Path, target: str, index: Path, cwd: Path) -> subprocess
     # no build isolation: setuptools from the borrowed packages, as the index has none
     pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index", "--find-links", str(index),
            "--no-build-isolation"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env["PIP_CONFIG_FILE"] = os.devnull  # the machine's pip.conf (extra indexes) is not the registry under test
+    env = {**outside_env(), "PIP_CONFIG_FILE": os.devnull}  # the machine's pip.conf (extra indexes) is not under test
     return subprocess.run([*pip, *target.split()], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def outside_env() -> dict[str, str]:
+    """This environment without ``PYTHONPATH`` and pip's settings: an installed environment imports what it holds."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("PIP_")}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ENGINE_NAMES, PROGRAM, QUIET, REPO, decoy_index, offline_venv, pip_install
+from tests.helpers import ENGINE_NAMES, PROGRAM, QUIET, REPO, decoy_index, offline_venv, outside_env, pip_install
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,9 @@ def test_the_decoy_index_is_taken_by_an_install_that_asks_for_the_engine_by_name
     python = offline_venv(tmp_path / "venv")
     proc = pip_install(python, ENGINE_NAMES[0], decoy_index(tmp_path / "index"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    found = subprocess.run([str(python), "-c", "import lightkeep"], capture_output=True, text=True, cwd=tmp_path)
+    found = subprocess.run(
+        [str(python), "-c", "import lightkeep"], cwd=tmp_path, env=outside_env(), capture_output=True, text=True
+    )
     assert "a stranger's package" in found.stderr
 
 
@@ -44,7 +46,7 @@ def test_pip_install_takes_the_engine_from_its_folder_and_trains(tmp_path, targe
     where = tmp_path / "elsewhere"  # not the source folder, whose project/ python -m would find without the install
     where.mkdir()
     show = f"import json, lightkeep, {PROGRAM}; print(json.dumps([lightkeep.__file__, {PROGRAM}.__file__]))"
-    out = subprocess.run([str(python), "-c", show], cwd=where, capture_output=True, text=True)
+    out = subprocess.run([str(python), "-c", show], cwd=where, env=outside_env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     engine, package = map(Path, json.loads(out.stdout))
     if target.startswith("-e"):  # editable: the source's own files
@@ -55,7 +57,7 @@ def test_pip_install_takes_the_engine_from_its_folder_and_trains(tmp_path, targe
     if target == "-e .":
         fit = [str(python), "-m", PROGRAM, "fit", *QUIET, "--trainer.max_epochs", "1",
                "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]  # fmt: skip
-        run = subprocess.run(fit, cwd=source, capture_output=True, text=True, timeout=600)
+        run = subprocess.run(fit, cwd=source, env=outside_env(), capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert list((source / "runs").glob("*/version_0/checkpoints/last.ckpt")), run.stdout[-2000:]
 
@@ -67,7 +69,11 @@ def test_the_engine_folder_installs_alone_for_an_existing_project(tmp_path):
     proc = pip_install(python, str(source / "engine"), decoy_index(tmp_path / "index"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = subprocess.run(
-        [str(python), "-m", "lightkeep", "fit", "--help"], cwd=tmp_path, capture_output=True, text=True
+        [str(python), "-m", "lightkeep", "fit", "--help"],
+        cwd=tmp_path,
+        env=outside_env(),
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0 and "--run." in out.stdout, out.stderr[-2000:]
 
