@@ -53,7 +53,9 @@ def version_counter(t: torch.Tensor) -> int | None:
 
 
 @functools.cache
-def _config_is_per_thread() -> bool:
+def crc32_setting_is_per_thread() -> bool:
+    """Whether torch keeps its serialization config per thread (2.13 does, 2.9 does not): only then can one thread's
+    ``torch.save`` leave out the CRC-32 while another's keeps it."""
     from torch.utils.serialization import config
 
     seen: list[bool] = []
@@ -79,7 +81,7 @@ def crc32_off_in_this_thread() -> Iterator[bool]:
     """Inside it, ``torch.save`` on this thread writes no CRC-32 (yields ``True``), where torch keeps its
     serialization config per thread (2.13 does): a ``torch.save`` on another thread meanwhile keeps its checksums.
     Where the setting is process-wide, nothing changes (yields ``False``)."""
-    if not _config_is_per_thread():
+    if not crc32_setting_is_per_thread():
         yield False
         return
     before = torch.serialization.get_crc32_options()

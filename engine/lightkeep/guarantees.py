@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import CombinedLoader
 
 from lightkeep.checkpoint_policy import CheckpointPolicy
+from lightkeep.compat_torch import crc32_setting_is_per_thread
 from lightkeep.elastic import data_parallel_world
 from lightkeep.loaders import ResumableDataLoader, ResumableSampler
 from lightkeep.own_orders import ReplaysOwnOrder
@@ -279,6 +280,6 @@ def speed_switches(trainer: L.Trainer, switches: list[SpeedSwitch]) -> str:
     io = trainer.strategy.checkpoint_io
     if isinstance(io, AtomicCheckpointIO):
         on += ["saves in the background"] if io.background else []
-        on += ["no CRC-32 in checkpoints"] if not io.crc32 else []
+        on += ["no CRC-32 in checkpoints"] if not io.crc32 and crc32_setting_is_per_thread() else []
     on += [switch.describe() for switch in switches]
     return " | speed: " + ", ".join(on) if on else ""

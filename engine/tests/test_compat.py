@@ -444,9 +444,13 @@ def test_torch_crc32_setting_is_per_thread_so_other_threads_keep_their_checksums
     torch.save({"x": torch.arange(1000)}, tmp_path / "main.pt")  # while the writer's setting is off
     done.set()
     thread.join()
-    assert results["off"], "torch's CRC-32 setting is no longer per thread: checkpoints now keep their checksums"
-    assert zipfile.ZipFile(tmp_path / "main.pt").testzip() is None
-    assert zipfile.ZipFile(tmp_path / "writer.pt").testzip() is not None
+    from packaging.version import Version
+
+    if Version(torch.__version__.split("+")[0]) >= Version("2.13"):
+        assert results["off"], "torch's CRC-32 setting is no longer per thread: checkpoints now keep their checksums"
+    assert zipfile.ZipFile(tmp_path / "main.pt").testzip() is None  # the other thread's file: always checked
+    # left out on the writer's thread where torch's setting is per thread; kept everywhere where it is process-wide
+    assert (zipfile.ZipFile(tmp_path / "writer.pt").testzip() is not None) == results["off"]
     assert torch.serialization.get_crc32_options() is True
 
 
