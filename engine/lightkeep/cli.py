@@ -10,7 +10,6 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import (
-    EarlyStopping,
     LearningRateMonitor,
     ModelCheckpoint,
     ProgressBar,
@@ -30,7 +29,7 @@ from lightkeep.errors import OneLineParser, check_yaml_files, one_line_errors, r
 from lightkeep.guarantees import Guarantees
 from lightkeep.guards import StopOnNonFinite
 from lightkeep.hang_watchdog import HangWatchdog
-from lightkeep.judge import CheckMonitored, ReadsJudge, judge_of, run_monitor_callbacks, test_best
+from lightkeep.judge import CheckMonitored, Judging, ReadsJudge, run_monitor_callbacks, test_best
 from lightkeep.loggers import let_appended_loggers_parse
 from lightkeep.module_hooks import ModuleHooksBeforeSaves
 from lightkeep.monitored_values import MonitoredValues
@@ -148,10 +147,13 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         check_yaml_files(parser, sys.argv[1:] if args is None else args)
+        # the classes a flag or --config file can switch: a script's fixed ones cannot be
+        modes = {"--model": self.subclass_mode_model, "--data": self.subclass_mode_data}
+        switchable = [flag for flag, subclass_mode in modes.items() if subclass_mode]
         if args is None:  # sys.argv itself: Lightning warns when args and sys.argv differ (DDP re-runs sys.argv)
-            sys.argv[1:] = start_from_class_defaults(let_appended_loggers_parse(sys.argv[1:]))
+            sys.argv[1:] = start_from_class_defaults(let_appended_loggers_parse(sys.argv[1:]), switchable)
         elif isinstance(args, list | tuple):
-            args = start_from_class_defaults(let_appended_loggers_parse(list(args)))
+            args = start_from_class_defaults(let_appended_loggers_parse(list(args)), switchable)
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         if subcommand:
@@ -206,7 +208,10 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = {**cli_section(self, self.config_init, "trainer"), **kwargs}
         callbacks = config.get("callbacks") or []
-        callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), *self.default_callbacks]
+        # the callbacks of the script's add_lightning_class_args (a --checkpoint.monitor): the user's, which Lightning
+        # appends to the Trainer's list itself
+        added = [cli_section(self, self.config_init, key) for key in self._parser(self.subcommand).callback_keys]
+        callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), *self.default_callbacks, *added]
         # Lightning's bar, redrawn every 10 batches rather than after each (~0.1 ms of Python a redraw); not in the
         # config's callback list, where it would make `--trainer.enable_progress_bar false` an error. A bar the
         # config brings wins.
@@ -256,22 +261,19 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             callbacks = [*tuners.leave_out(callbacks), tuners]  # configure_callbacks' are found at the fit's setup
             if guarantees is not None:
                 guarantees.tuners = tuners
-        # What judges the run, found once and handed to what reads its best (the summary, a sweep's trial), to the
-        # resume record (which names it in each checkpoint) and to after_fit / the sweep
-        self.judge = judge_of(callbacks, monitor)
-        resume.judge = self.judge
-        for callback in callbacks:
-            if isinstance(callback, ReadsJudge):
-                callback.judge = self.judge
-        for check in checks:
-            check.watchers = [c for c in callbacks if isinstance(c, ModelCheckpoint | EarlyStopping) and c.monitor]
+        # What judges the run, handed to what reads its best (the summary, a sweep's trial), to the resume record
+        # (which names it in each checkpoint) and to after_fit / the sweep (the CLI's judge)
+        readers = [self, resume, *(c for c in callbacks if isinstance(c, ReadsJudge))]
+        judging = Judging(monitor, readers, checks)
+        judging.hand_over(callbacks)
         # a dead rank, or a hung one (run.hang_timeout), ends the run in one line; before DestroyProcessGroup
         failures = RankFailures()
         kwargs["callbacks"] = [
             # the values callbacks and plateau schedulers judge by, across a resume; first: its plateau step at the
             # fit's end comes before the end's last.ckpt
             MonitoredValues(),
-            *callbacks,
+            judging,  # again at setup, with the module's configure_callbacks
+            *(c for c in callbacks if c not in added),
             failures,
             HangWatchdog(runs.hang_timeout, failures.report),
             loaders,  # the engine's samplers in the user's loaders

@@ -114,9 +114,10 @@ class SaveConfigOnce(SaveConfigCallback):
 SWITCHABLE = ("--model", "--data")
 
 
-def start_from_class_defaults(args: list[str]) -> list[str]:
+def start_from_class_defaults(args: list[str], switchable: Sequence[str] = SWITCHABLE) -> list[str]:
     """``--model my.Model`` / ``--data my.Data``, or a ``--config`` file naming a model or data class: that class
-    with its own defaults.
+    with its own defaults. ``switchable``: the flags of the classes in subclass mode (a script's fixed class cannot
+    be null, and its ``--data data.yaml`` is its arguments, as in plain Lightning).
 
     jsonargparse keeps, by design, the arguments of the class it replaces that the new class accepts, defaults
     included: ``--model my.Model`` would inherit the example's ``lr``. A ``--model null`` put before it leaves
@@ -126,10 +127,10 @@ def start_from_class_defaults(args: list[str]) -> list[str]:
     for i, arg in enumerate(args):
         flag, _, value = arg.partition("=")
         value = value if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
-        if flag in SWITCHABLE and _is_class_path(value):
+        if flag in switchable and _is_class_path(value):
             switched = [flag]
         elif flag in ("-c", "--config"):
-            switched = _classes_named_in(value)
+            switched = [named for named in _classes_named_in(value) if named in switchable]
         else:
             switched = []
         for key in switched:
@@ -157,7 +158,10 @@ def _classes_named_in(config: str) -> list[str]:
 
 
 def _is_class_path(value: str) -> bool:
-    return bool(value) and value != "null" and not value.startswith(("{", "-")) and "\n" not in value
+    if not value or value == "null" or value.startswith(("{", "-")) or "\n" in value:
+        return False
+    # a config file of the class's arguments (`--data data.yaml`), which jsonargparse reads as one
+    return Path(value).suffix not in (".yaml", ".yml", ".json") and not Path(value).is_file()
 
 
 def its_arguments(class_path: str, values: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """What a run is judged by, and what reads its judgement: one concept, the run's monitor. ``run_monitor_callbacks``
-builds (or finds in ``trainer.callbacks``) the monitored ``ModelCheckpoint`` and ``EarlyStopping``; the CLI finds the
-judging checkpoint once (``judge_of``) and hands it to each ``ReadsJudge``; ``CheckMonitored`` stops a run whose
-monitor is never logged; ``best_checkpoint`` ranks the files on disk for ``--ckpt_path best``; ``RunSummary`` and
-``--run.test_after_fit`` (``test_best``) read the same judge.
+builds (or finds in ``trainer.callbacks``) the monitored ``ModelCheckpoint`` and ``EarlyStopping``; the judging
+checkpoint (``judge_of``) is handed to each ``ReadsJudge`` by ``Judging``, again once Lightning has added the module's
+own callbacks; ``CheckMonitored`` stops a run whose monitor is never logged; ``best_checkpoint`` ranks the files on
+disk for ``--ckpt_path best``; ``RunSummary`` and ``--run.test_after_fit`` (``test_best``) read the same judge.
 """
 
 from dataclasses import dataclass
@@ -72,17 +72,17 @@ def run_monitor_callbacks(
 
 
 class ReadsJudge:
-    """A part of the engine that reads the run's best: the CLI sets ``judge`` on it (``judge_of``), and on no
-    callback of the user's, whatever attributes theirs have."""
+    """A part of the engine that reads the run's best: the CLI hands it to ``Judging``, which sets ``judge`` on it
+    (``judge_of``), and on no callback of the user's, whatever attributes theirs have."""
 
     judge: ModelCheckpoint | None = None
 
 
 def judge_of(callbacks: list[Callback], monitor: str | None) -> ModelCheckpoint | None:
     """The checkpoint that judges the run, among the callbacks the CLI built: the first monitoring ``monitor`` (the
-    run's, from ``run_monitor_callbacks``), else the first with a monitor; none with checkpointing off. The CLI finds
-    it once and hands it to what reads the run's best: the summary, test after fit, a sweep's objective and trial,
-    the resume record."""
+    run's, from ``run_monitor_callbacks``), else the first with a monitor; none with checkpointing off. ``Judging``
+    hands it to what reads the run's best: the summary, test after fit, a sweep's objective and trial, the resume
+    record."""
     monitored = [c for c in callbacks if isinstance(c, ModelCheckpoint) and c.monitor]
     return next((c for c in monitored if c.monitor == monitor), monitored[0] if monitored else None)
 
@@ -96,15 +96,16 @@ class CheckMonitored(Callback):
     module did not log, naming the keys it did log and the setting to change.
 
     Every rank logs the same keys, so every rank raises alike; rank 0 alone prints it (``lightkeep.errors``).
-    A validation metric is checked at the end of the sanity check's validation, or of the first validation. A
-    training metric (a key starting with ``train``), and every key of a module without ``validation_step``, once the
-    first training epoch has ended in full (at the next epoch's start, or the fit's end): an epoch value logged in
-    ``training_step`` is computed after that epoch's validation, and one logged in the module's
-    ``on_train_epoch_end`` after this callback's hook of it, where those monitors act (``EarlyStopping``'s
-    ``check_on_train_epoch_end``). A fit whose validation is switched off (``limit_val_batches 0``, a debug run) is
-    not checked for validation metrics: Lightning only warns then, as one cannot be there.
+    A validation metric is checked at the end of the first validation after the sanity check, where Lightning's own
+    callbacks first judge it: a module may skip logging while ``trainer.sanity_checking``. A training metric (a key
+    starting with ``train``), and every key of a module without ``validation_step``, once the first training epoch
+    has ended in full (at the next epoch's start, or the fit's end): an epoch value logged in ``training_step`` is
+    computed after that epoch's validation, and one logged in the module's ``on_train_epoch_end`` after this
+    callback's hook of it, where those monitors act (``EarlyStopping``'s ``check_on_train_epoch_end``). A fit whose
+    validation is switched off (``limit_val_batches 0``, a debug run) is not checked for validation metrics:
+    Lightning only warns then, as one cannot be there.
     ``from_run``: the callbacks the engine built from ``run.monitor`` (the others came with ``trainer.callbacks``);
-    ``watchers``: every ``ModelCheckpoint`` and ``EarlyStopping`` with a monitor of the run (the CLI's final list).
+    ``watchers``: every ``ModelCheckpoint`` and ``EarlyStopping`` with a monitor of the run (``Judging`` sets them).
     """
 
     def __init__(self, from_run: list[Callback], watchers: list[Callback] | None = None) -> None:
@@ -115,15 +116,10 @@ class CheckMonitored(Callback):
         self.ended_an_epoch = False
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.checked or not is_overridden("validation_step", pl_module):
+        if self.checked or trainer.sanity_checking or not is_overridden("validation_step", pl_module):
             return
-        if trainer.sanity_checking and len(trainer.num_sanity_val_batches) > 1:
-            # Lightning fills callback_metrics with several validation loaders' keys (val_loss/dataloader_idx_0) only
-            # after the sanity check: every key is checked at the first validation after training instead
-            return
-        self.checked = not trainer.sanity_checking
-        when = "the sanity check's validation" if trainer.sanity_checking else "the first validation"
-        self._check(trainer, [c for c in self.watchers if not c.monitor.startswith("train")], when)
+        self.checked = True
+        self._check(trainer, [c for c in self.watchers if not c.monitor.startswith("train")], "the first validation")
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # in this process (a resume starts with none logged), in full
@@ -154,6 +150,26 @@ class CheckMonitored(Callback):
             f"{who} is {missing.monitor!r}, which the module did not log by the end of {when} (it logs: {keys}): "
             f"{fix}, or self.log({missing.monitor!r}, ...) in the module"
         )
+
+
+class Judging(Callback):
+    """Hands the run's judge (``judge_of``) to ``readers`` (each with a ``judge``) and every callback judging by a
+    monitor to ``checks``' watchers: when the CLI builds the Trainer (a sweep reads the CLI's before any fit), and
+    again at setup, where ``trainer.callbacks`` also holds those of the module's ``configure_callbacks`` (Lightning
+    adds them there, in place of the list's callbacks of their type)."""
+
+    def __init__(self, monitor: str | None, readers: list[Any], checks: list[CheckMonitored]) -> None:
+        self.monitor, self.readers, self.checks = monitor, readers, checks
+
+    def hand_over(self, callbacks: list[Callback]) -> None:
+        judge = judge_of(callbacks, self.monitor)
+        for reader in self.readers:
+            reader.judge = judge
+        for check in self.checks:
+            check.watchers = [c for c in callbacks if isinstance(c, ModelCheckpoint | EarlyStopping) and c.monitor]
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.hand_over(trainer.callbacks)
 
 
 # The best of a run on disk. Lightning adds a top-k file to its ModelCheckpoint's best_k_models (path -> score)
