@@ -1,5 +1,6 @@
 """``python -m lightkeep fit --model my.Model --data my.Data ...``: the engine's command line on any LightningModule
-and LightningDataModule that import from here; no base config (a project passes its own: ``project/__main__.py``)."""
+and LightningDataModule that import from here; no base config (a project passes its own: ``project/__main__.py``).
+``python -m lightkeep compare A.ckpt B.ckpt``: how far apart two checkpoints are (``lightkeep.compare``)."""
 
 import gc
 
