@@ -1,4 +1,4 @@
-"""``python -m project fit|validate|test|predict|sweep ...``: the engine's command line (lightkeep) with this
+"""``python -m project fit|validate|test|predict|sweep|compare ...``: the engine's command line (lightkeep) with this
 project's base config, ``configs/default.yaml``."""
 
 import gc

@@ -104,6 +104,12 @@ def cli_section(cli: Any, config: Any, key: str) -> Any:
     return cli._get(config, key, default={})
 
 
+def class_args_callback_keys(cli: Any) -> list[str]:
+    """The config keys of the callbacks a script added with ``parser.add_lightning_class_args`` (``"checkpoint"``),
+    which Lightning appends to the Trainer's callbacks itself."""
+    return list(cli._parser(cli.subcommand).callback_keys)
+
+
 def shard_over_all_ranks(strategy: Any) -> None:
     """``data_parallel_size="auto"`` of a ``ModelParallelStrategy``: every rank divided by the tensor-parallel size
     (Lightning's ``auto`` is one group per node). Call before ``setup_environment``."""

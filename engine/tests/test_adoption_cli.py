@@ -56,8 +56,6 @@ def built(cli_class, classes: tuple, args: list[str], parser_kwargs: dict) -> tu
 )
 def test_a_scripts_model_or_data_given_as_a_file_or_dict_parses_as_in_plain_lightning(script, classes, args,
                                                                                      parser_kwargs):  # fmt: skip
-    if parser_kwargs:
-        pytest.importorskip("omegaconf")  # jsonargparse's omegaconf mode needs it; the engine does not require it
     assert built(LightningCLI, classes, args, parser_kwargs) == built(PlainCLI, classes, args, parser_kwargs)
 
 

@@ -15,6 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightkeep.compat import (
+    class_args_callback_keys,
     cli_section,
     loader_with_sampler,
     request_stop_at_batch_end,
@@ -55,6 +56,20 @@ def test_lightning_cli_get_reads_a_config_section():
 
     assert cli_section(Stub(), {"fit": {"trainer": {"max_epochs": 3}}}, "trainer") == {"max_epochs": 3}
     assert cli_section(Stub(), {"fit": {}}, "trainer") == {}
+
+
+def test_lightning_cli_parser_lists_the_keys_of_add_lightning_class_args_callbacks():
+    """``LightningCLI._parser(subcommand).callback_keys``: the callbacks a script added with
+    ``add_lightning_class_args``, which the engine counts as the user's."""
+
+    class Script(LightningCLI):
+        def add_arguments_to_parser(self, parser):
+            parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+
+    cli = Script(StandIn, BlobsDataModule, args=["--checkpoint.monitor", "val/acc"], run=False)
+    assert class_args_callback_keys(cli) == ["checkpoint"]
+    ran = Script(StandIn, BlobsDataModule, args=["fit", "--trainer.fast_dev_run", "1", "--trainer.logger", "false"])
+    assert class_args_callback_keys(ran) == ["checkpoint"]  # the fit subcommand's own parser
 
 
 def test_csv_experiment_writer_keeps_the_columns_it_is_given(tmp_path):

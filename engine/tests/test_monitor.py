@@ -21,15 +21,17 @@ def failure(*args: str, root) -> str:
     return str(exited.value.code)
 
 
-def test_a_module_that_does_not_log_the_monitored_key_stops_before_training_in_one_line(tmp_path):
+def test_a_module_that_does_not_log_the_monitored_key_stops_at_the_first_validation_in_one_line(tmp_path):
+    """Judged where Lightning's callbacks judge their monitors, at the first validation after the sanity check (a
+    module may skip logging during the sanity check), and before any checkpoint is written."""
     message = failure(*OWN, *SHORT, root=tmp_path)  # default.yaml monitors the example's val/acc
     assert message.startswith(
-        "error: run.monitor is 'val/acc', which the module did not log by the end of the sanity check's validation "
-        "(it logs: val_loss): monitor one of those (--run.monitor KEY --run.mode min|max), or none (--run.monitor "
-        "null), or self.log('val/acc', ...) in the module (raised at "
+        "error: run.monitor is 'val/acc', which the module did not log by the end of the first validation "
+        "(it logs: train_loss, val_loss): monitor one of those (--run.monitor KEY --run.mode min|max), or none "
+        "(--run.monitor null), or self.log('val/acc', ...) in the module (raised at "
     ), message
     assert "\n" not in message
-    assert not (tmp_path / "dict").exists()  # nothing but the config was written: no run folder is left
+    assert not list(tmp_path.glob("dict/*/checkpoints/*.ckpt"))
 
 
 def test_without_a_sanity_check_the_first_validation_stops_it_before_any_checkpoint(tmp_path):
@@ -43,7 +45,7 @@ def test_a_user_added_early_stopping_is_checked_alike(tmp_path):
     message = failure(*OWN, *SHORT, "--run.monitor", "val_loss", *stop, root=tmp_path)
     assert message.startswith(
         "error: the monitor of a EarlyStopping in trainer.callbacks is 'val/mse', which the module did not log by "
-        "the end of the sanity check's validation (it logs: val_loss): change that monitor to one of those"
+        "the end of the first validation (it logs: train_loss, val_loss): change that monitor to one of those"
     ), message
 
 
