@@ -48,6 +48,7 @@ class CheckpointPolicy:
             raise ValueError(f"checkpoints.every_n_epochs ({every_n_epochs}) must be >= 1, or null for none")
         self.last_every, self.every_n_epochs = last_every, every_n_epochs
         self.background, self.crc32 = background, crc32
+        self.last: LastCheckpoint | None = None  # the run's, once callbacks() has chosen it
 
     def callbacks(self, given: list[Callback]) -> list[Callback]:
         """The engine's savers and reporters, to put beside ``given`` (the config's list). One of a kind: a config
@@ -60,7 +61,13 @@ class CheckpointPolicy:
         wanted += [LearningRateMonitor(logging_interval="step"), RunSummary()]
         single = (LastCheckpoint, LearningRateMonitor, RunSummary)
         keys, kinds = {g.state_key for g in given}, {type(g) for g in given}
-        return [c for c in wanted if c.state_key not in keys and not (isinstance(c, single) and type(c) in kinds)]
+        added = [c for c in wanted if c.state_key not in keys and not (isinstance(c, single) and type(c) in kinds)]
+        self.last = next((c for c in [*given, *added] if isinstance(c, LastCheckpoint)), None)
+        return added
+
+    def notes(self) -> list[str]:
+        """Where the engine's own files went other than their usual names, for the start line."""
+        return [self.last.moved] if self.last is not None and self.last.moved else []
 
     def plugins(self, given: list[Any]) -> list[Any]:
         """``given`` (the config's plugins) with the atomic writer, unless one of them is a ``CheckpointIO``: the

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import (
     TQDMProgressBar,
 )
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightkeep.checkpoint_files import check_fits
@@ -38,7 +39,7 @@ from lightkeep.predictions import PredictionWriter
 from lightkeep.rank_failures import RankFailures
 from lightkeep.resume import ExactResume
 from lightkeep.run_folder import FolderBefore, RunFolder, clean_up_failed_start, remove_if_empty
-from lightkeep.run_loggers import default_logger, keep_csv_history, point_loggers_at
+from lightkeep.run_loggers import LoggerFolder, default_logger, keep_csv_history, point_loggers_at
 from lightkeep.run_scope import for_the_run, freeze_what_was_built
 from lightkeep.runs import RunPlan, Runs, plan_run
 from lightkeep.schedule import FitScheduleToRun
@@ -60,6 +61,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
     run_folder: RunFolder | None = None
     folder_before: FolderBefore | None = None  # a continued run's folder as found, for a failed start to restore
     unknown_loggers: list[str] = []
+    asked: tuple[str | None, list[str]] = (None, [])  # the ckpt_path and arguments given, which _plan reads
     judge: ModelCheckpoint | None = None  # the run's checkpoint with a monitor (lightkeep.judge.judge_of)
 
     def __init__(
@@ -159,13 +161,30 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         if subcommand:
             # as filled in above, which a DDP rank re-running them fills in alike
             command = [str(arg) for arg in (sys.argv[1:] if args is None else args if isinstance(args, list) else [])]
+            self.asked = (self.config[subcommand].get("ckpt_path"), command)  # for a plan made again
             try:
-                self.run_plan = plan_run(self.config[subcommand], subcommand, self._fixed_classes(), command)
-                if self.run_plan.continues and rank_zero_only.rank == 0:
-                    self.folder_before = FolderBefore.take(self.run_plan.dir)
-                self.unknown_loggers = point_loggers_at(self.run_plan, self.config[subcommand]["trainer"])
+                self._plan(subcommand)
             except ValueError as error:
                 parser.error(str(error))  # a one-paragraph message and exit code 2, not a traceback
+
+    def _plan(self, subcommand: str, family: Path | None = None) -> RunPlan:
+        """Plans the run (``lightkeep.runs``) and points the loggers at it; ``family``: where a logger's link applied
+        at instantiation puts its runs (``run_loggers.LoggerFolder``)."""
+        section = self.config[subcommand]
+        section["ckpt_path"], command = self.asked  # as given: a plan made again resolves it again
+        self.run_plan = plan_run(section, subcommand, self._fixed_classes(), command, family)
+        continued = self.run_plan.continues and rank_zero_only.rank == 0
+        self.folder_before = FolderBefore.take(self.run_plan.dir) if continued else None
+        self.unknown_loggers = point_loggers_at(self.run_plan, section["trainer"])
+        return self.run_plan
+
+    def _follow_logger(self, family: Path) -> RunPlan:
+        """The run planned again in ``family``, where a link applied at instantiation put a logger's folder."""
+        plan, subcommand = self.run_plan, self.subcommand
+        if plan is None or subcommand is None or family.resolve() == plan.dir.parent.resolve():
+            return plan  # type: ignore[return-value]  # registered for a planned run only
+        remove_if_empty(plan)  # the folder claimed at parsing, still empty
+        return self._plan(subcommand, family)
 
     def _fixed_classes(self) -> dict[str, str]:
         """The class paths of a project's own script's fixed model and data classes (``LightningCLI(Net, Data)``),
@@ -179,6 +198,9 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         }
 
     def instantiate_classes(self) -> None:
+        if self.run_plan is not None:
+            for cls in (TensorBoardLogger, CSVLogger):
+                self.parser.add_instantiator(LoggerFolder(self._follow_logger), cls)
         try:
             super().instantiate_classes()
             ckpt_path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
@@ -206,6 +228,9 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
             test_best(self.trainer, self.model, self.datamodule, self.judge)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        if self.run_plan is not None:  # as planned again where a logger's link moved the run (_follow_logger)
+            kwargs["default_root_dir"] = str(self.run_plan.dir)
+            self.config_init[self.subcommand]["ckpt_path"] = self.config[self.subcommand]["ckpt_path"]
         config = {**cli_section(self, self.config_init, "trainer"), **kwargs}
         callbacks = config.get("callbacks") or []
         # the callbacks of the script's add_lightning_class_args (a --checkpoint.monitor): the user's, which Lightning

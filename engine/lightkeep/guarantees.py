@@ -166,8 +166,9 @@ class Guarantees(Callback):
             f"Run {trainer.default_root_dir} ({start}) | {self._ranks(trainer)} | exact resume: {exact}{elastic}"
             f" | logs: {self._logs(trainer)}"
         )
-        off = self.policy.off(trainer)
+        off, moved = self.policy.off(trainer), self.policy.notes()
         line += " | opts out: " + "; ".join(out) if out else ""
+        line += " | " + "; ".join(moved) if moved else ""
         return line + (" | off: " + "; ".join(off) if off else "") + speed_switches(trainer, self.switches)
 
     def _loader_notes(self) -> dict[str, list[str]]:

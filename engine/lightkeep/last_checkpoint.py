@@ -2,6 +2,7 @@
 
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -11,6 +12,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightkeep.agreement import AGREE_EVERY, Agreement
 from lightkeep.compat import save_last_unless_saved_at_this_step
 from lightkeep.compat_loops import accumulating
+
+# The engine's file where a user's ModelCheckpoint names its own files "last" in the same folder (its best, say)
+OWN_LAST = "last-lightkeep"
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -27,6 +31,10 @@ class LastCheckpoint(ModelCheckpoint):
     ``Agreement`` (``lightkeep.agreement``), so under DDP a refresh comes up to ``2 x AGREE_EVERY`` batches after the
     interval is up; in one process, at the first batch end after it. (Manual optimization is timed too: Lightning's
     timer skipped it.)
+
+    A ``last.ckpt`` that a user's ``ModelCheckpoint`` writes as one of its own files (``filename="last"``: its best)
+    stays theirs: this one then writes ``last-lightkeep.ckpt`` beside it, and ``moved`` says so for the start line.
+    (A user's ``save_last`` file is the newest state, as this one is: the two share it.)
 
     Args:
         train_time_interval: How often ``last.ckpt`` is refreshed, e.g. ``"0:10:00"``.
@@ -47,12 +55,32 @@ class LastCheckpoint(ModelCheckpoint):
         self._batch_ends = 0  # of this fit, the same count on every rank
         self._agreed = False  # a refresh read at an epoch's end, made at the next batch end
         self._held_stop = False  # a stop that came mid-accumulation, made at the batch that steps
+        self.moved: str | None = None  # where this file went and why, when a user's file is named last.ckpt
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage == "fit" and trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             self._agreement = Agreement(trainer.strategy.root_device, 1)  # (rank 0's clock is up,)
             self._batch_ends, self._agreed = 0, False
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Every folder is known now (a ModelCheckpoint's setup resolves its own); the user's callbacks are read from
+        # the trainer, where Lightning adds some after the CLI's list (add_lightning_class_args, configure_callbacks)
+        folder, name = self.dirpath, type(self).CHECKPOINT_NAME_LAST + self.FILE_EXTENSION
+        theirs = next((c for c in trainer.checkpoint_callbacks if c is not self and _names(c, name, folder)), None)
+        self.CHECKPOINT_NAME_LAST = type(self).CHECKPOINT_NAME_LAST if theirs is None else OWN_LAST
+        self.moved = None
+        if theirs is not None:
+            own = Path(str(folder)) / f"{OWN_LAST}{self.FILE_EXTENSION}"
+            self.moved = (
+                f"the engine's last checkpoint is {own}: {Path(str(folder)) / name} is the file of "
+                f"{type(theirs).__name__}(filename={theirs.filename!r}), left to it"
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # the file is found by its name; a saved path (a user's last.ckpt, before this file moved) is never removed
+        self.last_model_path = ""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._since = time.monotonic()
@@ -107,3 +135,14 @@ class LastCheckpoint(ModelCheckpoint):
         agreement, self._agreement = self._agreement, None
         if wait and agreement is not None and agreement.pending:
             agreement.sums()
+
+
+def _names(callback: Any, name: str, folder: Any) -> bool:
+    """Whether ``callback`` (a ``ModelCheckpoint``) writes its top-k or periodic files as ``name`` in ``folder``."""
+    if not isinstance(callback, ModelCheckpoint) or callback.save_top_k == 0:
+        return False
+    if f"{callback.filename}{callback.FILE_EXTENSION}" != name or callback.dirpath is None or folder is None:
+        return False
+    if "://" in f"{callback.dirpath}{folder}":
+        return str(callback.dirpath) == str(folder)
+    return Path(callback.dirpath).resolve() == Path(folder).resolve()

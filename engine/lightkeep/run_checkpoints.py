@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightkeep.checkpoint_files import CheckpointLoadError, load_checkpoint_file
 from lightkeep.config import entry
 from lightkeep.judge import best_checkpoint
+from lightkeep.last_checkpoint import OWN_LAST
 from lightkeep.sharded.folders import is_sharded_checkpoint, read_meta
 
 
@@ -52,9 +53,9 @@ def is_loadable(path: Path) -> bool:
 def checkpoints_newest_first(folder: Path, *patterns: str) -> list[Path]:
     files = [p for pattern in patterns for p in folder.glob(pattern) if p.is_file() or is_sharded_checkpoint(p)]
     # the names of one file (hard links: a validation's files and last.ckpt) share its time: last.ckpt first of
-    # them, the name whose resume continues its run
+    # them, the name whose resume continues its run (the engine's own first, where a user's best is named last)
     last = ModelCheckpoint.CHECKPOINT_NAME_LAST
-    return sorted(files, key=lambda p: (p.stat().st_mtime, p.name.startswith(last)), reverse=True)
+    return sorted(files, key=lambda p: (p.stat().st_mtime, p.name.startswith(last), p.stem == OWN_LAST), reverse=True)
 
 
 # Where a run's checkpoints are: ModelCheckpoint's folder, and the run folder itself for Lightning's SLURM

@@ -6,6 +6,7 @@ ids kept in ``run.json``.
 import csv
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,8 @@ def point_loggers_at(plan: RunPlan, trainer_config: Namespace) -> list[str]:
             continue
         args = item.init_args
         if issubclass(cls, (TensorBoardLogger, CSVLogger)):
-            args["save_dir"], args["name"], args["version"] = str(family.parent), family.name, plan.version
-            if issubclass(cls, TensorBoardLogger):
-                # steps >= this one were logged by the interrupted run; TensorBoard drops them from the file
-                args["purge_step"] = plan.log_step if plan.continues else None
+            for key, value in folder_args(plan, cls).items():
+                args[key] = value
         elif issubclass(cls, MLFlowLogger):
             if args.get("experiment_name") in (None, "lightning_logs"):
                 args["experiment_name"] = family.name
@@ -59,6 +58,35 @@ def point_loggers_at(plan: RunPlan, trainer_config: Namespace) -> list[str]:
         else:
             unknown.append(cls.__name__)
     return unknown
+
+
+def folder_args(plan: RunPlan, cls: type) -> dict[str, Any]:
+    """The arguments that put a TensorBoard or CSV logger (``cls``) in the planned run's folder."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    family = plan.dir.parent
+    args: dict[str, Any] = {"save_dir": str(family.parent), "name": family.name, "version": plan.version}
+    if issubclass(cls, TensorBoardLogger):
+        # steps >= this one were logged by the interrupted run; TensorBoard drops them from the file
+        args["purge_step"] = plan.log_step if plan.continues else None
+    return args
+
+
+class LoggerFolder:
+    """Builds the TensorBoard and CSV loggers (a jsonargparse instantiator, ``CLI.instantiate_classes``). A link
+    applied at instantiation (``apply_on="instantiate"``) gives a logger its ``save_dir`` or ``name`` after the run
+    was planned: ``follow`` then plans the run in that folder, and the logger gets the run's version, so that the
+    run's folder and the logger's are one."""
+
+    def __init__(self, follow: Callable[[Path], RunPlan]) -> None:
+        self.follow = follow
+
+    def __call__(self, cls: type, *args: Any, **kwargs: Any) -> Any:
+        save_dir, name = kwargs.get("save_dir"), kwargs.get("name")
+        if save_dir is not None:
+            plan = self.follow(Path(save_dir) / (name or ""))
+            kwargs.update(folder_args(plan, cls))
+        return cls(*args, **kwargs)
 
 
 def keep_csv_history(plan: RunPlan, loggers: list[Any]) -> None:

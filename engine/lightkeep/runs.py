@@ -4,10 +4,13 @@
 Lightning leaves the folder to the first logger (without one, every run writes the same ``checkpoints/``) and looks
 for ``--ckpt_path last`` only inside a brand-new version, so a plain resume trains from scratch. Here the engine picks
 the folder before anything is built, points every logger it knows into it (TensorBoard, CSV, MLflow, W&B) and every
-``ModelCheckpoint`` without a ``dirpath`` at its ``checkpoints/``. ``last`` is the newest loadable checkpoint of any
-version; ``fit`` from it (or from a run's ``last*.ckpt``) continues that run: the same folder and TensorBoard/CSV
-version (the points logged after the checkpoint are dropped), the same MLflow and W&B run (ids kept in ``run.json``).
-``fit`` from any other checkpoint branches into a new version and never writes into the run it came from.
+``ModelCheckpoint`` without a ``dirpath`` at its ``checkpoints/``. A ``save_dir`` or ``name`` a project gives its
+TensorBoard/CSV logger (set or linked) is ``<root>`` or ``<name>``: the run's folder and the logger's are one. Each
+command claims a new version, so none writes into a folder that holds files, but a ``fit`` that continues its run.
+``last`` is the newest loadable checkpoint of any version; ``fit`` from it (or from a run's ``last*.ckpt``) continues
+that run: the same folder and TensorBoard/CSV version (the points logged after the checkpoint are dropped), the same
+MLflow and W&B run (ids kept in ``run.json``). ``fit`` from any other checkpoint branches into a new version and never
+writes into the run it came from.
 """
 
 import json
@@ -139,34 +142,70 @@ def default_name(data_class_path: str | None) -> str:
     return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", name).lower() or "runs"
 
 
+# What a config gives a TensorBoard/CSV logger only because it requires one (configs/csv.yaml, the engine's default
+# logger, a logger appended with +=), and the loggers' own default name: neither is a project's choice of folder
+PLACEHOLDER_SAVE_DIR, DEFAULT_LOGGER_NAME = "runs", "lightning_logs"
+
+
+def logger_folder(config: Namespace) -> tuple[str | None, str | None]:
+    """The ``save_dir`` and ``name`` a project gave its first TensorBoard/CSV logger (in a config, a flag or a link
+    applied at parsing), each ``None`` where it left them to the engine. A logger with a ``version`` is one the
+    engine pointed at a run (``run_loggers.point_loggers_at``), read back from that run's ``config.yaml``."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightkeep.loggers import class_named
+
+    trainer = config.get("trainer")
+    loggers = trainer.get("logger") if isinstance(trainer, Namespace) else None
+    for item in loggers if isinstance(loggers, list) else [loggers]:
+        cls = class_named(item.class_path) if isinstance(item, Namespace) and item.get("class_path") else None
+        if cls is None or not issubclass(cls, (TensorBoardLogger, CSVLogger)):
+            continue
+        args = item.get("init_args") or Namespace()
+        if args.get("version") is not None:
+            return None, None
+        save_dir, name = args.get("save_dir"), args.get("name")
+        save_dir = str(save_dir) if save_dir and str(save_dir) != PLACEHOLDER_SAVE_DIR else None
+        return save_dir, name if name and name != DEFAULT_LOGGER_NAME else None
+    return None, None
+
+
 def runs_root(config: Namespace) -> Path:
-    """``run.root``, or Lightning's ``trainer.default_root_dir`` where a config gives that one instead: runs go
-    under it, as Lightning's habit says. A run folder there (``.../<name>/version_N``) is the engine's own, written
-    into each run's ``config.yaml``: a config read back from a run starts its family's next version, not one inside.
+    """``run.root``, or where a project's own settings put runs: its logger's ``save_dir`` (``logger_folder``), else
+    Lightning's ``trainer.default_root_dir``, as Lightning places logs and checkpoints. A run folder given as
+    ``default_root_dir`` (``.../<name>/version_N``) is the engine's own, written into each run's ``config.yaml``: a
+    config read back from a run starts its family's next version, not one inside.
     """
     runs = config.get("run") or Namespace(root="runs", name=None)
     trainer = config.get("trainer")
-    given = trainer.get("default_root_dir") if isinstance(trainer, Namespace) else None
-    if not given or re.fullmatch(r"version_\d+", Path(given).name):
-        return Path(runs.root)
-    if runs.root != "runs" and Path(runs.root) != Path(given):
-        raise ValueError(
-            f"run.root {runs.root} and trainer.default_root_dir {given} both say where runs go: give one of them"
-        )
-    return Path(given)
+    root_dir = trainer.get("default_root_dir") if isinstance(trainer, Namespace) else None
+    if root_dir and re.fullmatch(r"version_\d+", Path(root_dir).name):
+        root_dir = None
+    for key, given in (("trainer.logger's save_dir", logger_folder(config)[0]), ("trainer.default_root_dir", root_dir)):
+        if not given:
+            continue
+        if runs.root != "runs" and Path(runs.root) != Path(given):
+            raise ValueError(f"run.root {runs.root} and {key} {given} both say where runs go: give one of them")
+        return Path(given)
+    return Path(runs.root)
 
 
 def family_dir(config: Namespace, fixed: dict[str, str] | None = None) -> Path:
     """``fixed``: the class paths of the ``data``/``model`` a LightningCLI was given as its fixed classes, which its
-    config does not name."""
+    config does not name. The family is ``run.name``, or the name a project gave its logger, or the data's."""
     runs = config.get("run") or Namespace(root="runs", name=None)
     root = runs_root(config)
+    logger_name = logger_folder(config)[1]
+    if runs.name and logger_name and runs.name != logger_name:
+        raise ValueError(
+            f"run.name {runs.name} and trainer.logger's name {logger_name} both name the runs: give one of them"
+        )
     named = {key: config.get(key) for key in ("data", "model")}
     named = {key: v["class_path"] for key, v in named.items() if isinstance(v, Namespace) and "class_path" in v}
     data_class, model_class = ({**(fixed or {}), **named}.get(key) for key in ("data", "model"))
-    family = root / (runs.name or default_name(data_class or model_class))
+    family = root / (runs.name or logger_name or default_name(data_class or model_class))
     legacy = root / default_name(None)  # where 1.1.0 and before filed a model that brings its own data
-    if not runs.name and not data_class and model_class and legacy.is_dir() and not family.exists():
+    if not runs.name and not logger_name and not data_class and model_class and legacy.is_dir() and not family.exists():
         return legacy  # its runs stay one family: --ckpt_path last still finds them
     return family
 
@@ -279,22 +318,25 @@ def check_save_dir(family: Path) -> None:
 
 
 def plan_run(
-    config: Namespace, subcommand: str, fixed: dict[str, str] | None = None, command: list[str] | None = None
+    config: Namespace,
+    subcommand: str,
+    fixed: dict[str, str] | None = None,
+    command: list[str] | None = None,
+    family: Path | None = None,
 ) -> RunPlan:
     """Resolves ``ckpt_path`` (``last``: the newest loadable checkpoint) and picks the run folder (``fixed``: as
     ``family_dir`` reads it; ``command``: the arguments the command was given, which a SLURM job's requeue gives
-    again).
+    again; ``family``: the folder of the runs, where a logger's link applied at instantiation decided it).
 
     Only ``fit`` continues a run's folder: ``validate``/``test``/``predict`` of a checkpoint get a folder of their
     own, so they never add points to the training curves.
     """
-    plan = _plan_run(config, subcommand, fixed, command or [])
+    plan = _plan_run(config, subcommand, family or family_dir(config, fixed), command or [])
     plan.job = launcher_job(command or [])
     return plan
 
 
-def _plan_run(config: Namespace, subcommand: str, fixed: dict[str, str] | None, command: list[str]) -> RunPlan:
-    family = family_dir(config, fixed)
+def _plan_run(config: Namespace, subcommand: str, family: Path, command: list[str]) -> RunPlan:
     check_save_dir(family)
     if isinstance(config.get("run"), Namespace):  # the run's config.yaml names its family's root, however given
         config["run"]["root"] = str(family.parent)
