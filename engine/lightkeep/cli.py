@@ -22,7 +22,12 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lightkeep.checkpoint_files import check_fits
 from lightkeep.checkpoint_policy import CheckpointPolicy
-from lightkeep.compat import ParsesPlainLightningCheckpoints, cli_section, spike_detection_loads_its_state
+from lightkeep.compat import (
+    ParsesPlainLightningCheckpoints,
+    class_args_callback_keys,
+    cli_section,
+    spike_detection_loads_its_state,
+)
 from lightkeep.config import SaveConfigOnce, base_monitor, entered_here, entry, start_from_class_defaults
 from lightkeep.distributed import DestroyProcessGroup
 from lightkeep.elastic import GlobalBatch
@@ -235,7 +240,7 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         callbacks = config.get("callbacks") or []
         # the callbacks of the script's add_lightning_class_args (a --checkpoint.monitor): the user's, which Lightning
         # appends to the Trainer's list itself
-        added = [cli_section(self, self.config_init, key) for key in self._parser(self.subcommand).callback_keys]
+        added = [cli_section(self, self.config_init, key) for key in class_args_callback_keys(self)]
         callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), *self.default_callbacks, *added]
         # Lightning's bar, redrawn every 10 batches rather than after each (~0.1 ms of Python a redraw); not in the
         # config's callback list, where it would make `--trainer.enable_progress_bar false` an error. A bar the
