@@ -5,6 +5,7 @@ the project folder), and DIR/model.onnx.data when the ONNX exporter keeps the we
 together). Load them:
   safetensors: from lightkeep import load_net; model = load_net("DIR/model.safetensors")
   onnx:        onnxruntime.InferenceSession("DIR/model.onnx").run(None, {"input": x.numpy()})[0]
+               (a forward of several inputs: each named as forward's parameter)
   pt2:         torch.export.load("DIR/model.pt2").module()(x)
   pth:         model = build(json.load(open("DIR/model.json"))); model.load_state_dict(torch.load("DIR/model.pth"))
                (build from lightkeep.export.weights)
@@ -27,7 +28,8 @@ if __name__ == "__main__":
     parser.add_argument(
         "--input_shape",
         help="one sample's shape for tracing onnx/pt2, e.g. 1,8,8 (float32); default: the module's example_input_array,"
-        " else two samples of the run's data",
+        " else what its own predict_step (else validation_step, else training_step) calls forward with on two "
+        "samples of the run's data",
     )
     parser.add_argument(
         "--config",

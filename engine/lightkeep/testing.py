@@ -43,8 +43,8 @@ def run_dirs(cwd: Path, name: str) -> list[Path]:
 
 
 def load_exported(path: Path):
-    """An exported file (``scripts/export.py``: .safetensors, .onnx, .pt2, .pth) as a function of one input tensor,
-    to compare with the module's own ``forward`` (``lightning_model``)."""
+    """An exported file (``scripts/export.py``: .safetensors, .onnx, .pt2, .pth) as a function called as ``forward``
+    is (positional and keyword tensors), to compare with the module's own ``forward`` (``lightning_model``)."""
     import json
 
     import torch
@@ -58,7 +58,13 @@ def load_exported(path: Path):
         import onnxruntime
 
         session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        return lambda x: torch.from_numpy(session.run(None, {"input": x.numpy()})[0])
+        names = [i.name for i in session.get_inputs()]  # forward's order; keyword inputs by their own names
+
+        def run(*args, **kwargs):
+            feed = {**dict(zip(names, args, strict=False)), **kwargs}
+            return torch.from_numpy(session.run(None, {k: v.numpy() for k, v in feed.items()})[0])
+
+        return run
     if path.suffix == ".pt2":
         return torch.export.load(path).module()
     if path.suffix == ".pth":

@@ -180,13 +180,13 @@ SHAPES = ["--model", "tests.fixtures.shapes.DictRegression", "--data", "tests.fi
 @pytest.mark.parametrize(
     ("model", "traced_on"),
     [
-        ("DictRegression", "a batch of predict_dataloader: its x, by forward's names"),
+        ("DictRegression", "what predict_step gives it on a batch of predict_dataloader: forward(Tensor[2, 4])"),
         ("ExampleArrayRegression", "the module's example_input_array"),
     ],
 )
 def test_any_lightning_module_exports_itself_equal_to_its_forward(tmp_path, model, traced_on):
     """A module with no ``net`` that takes dict batches: the module itself is exported, traced on its
-    example_input_array, else on the dict batch's entries that forward names."""
+    example_input_array, else on what its predict_step calls forward with."""
     ckpt = make_run(tmp_path, [*SHAPES, "--model", f"tests.fixtures.shapes.{model}"], family="dict")
     said: list[str] = []
     paths = export(ckpt, tmp_path / "export", ("onnx", "pt2", "safetensors"), say=said.append)

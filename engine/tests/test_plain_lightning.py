@@ -114,17 +114,22 @@ def test_export_a_plain_lightning_checkpoint_with_a_config_naming_its_class(plai
 
 
 class TwoInputs(L.LightningModule):
-    """Lightning's demo transformer's signature: ``forward(inputs, target)``, batches ``(inputs, target)``."""
+    """Lightning's demo transformer's shape: ``forward(inputs, target)`` called by its only step, ``training_step``,
+    on its only loader's batches."""
 
     def forward(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return inputs * target
 
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        inputs, target, _ = batch
+        return self(inputs, target).sum()
 
-def test_a_forward_of_two_inputs_is_traced_on_a_batchs_first_two_elements(monkeypatch):
+
+def test_a_forward_of_two_inputs_is_traced_on_what_training_step_gives_it(monkeypatch):
     batch = (torch.arange(6.0).reshape(3, 2), torch.ones(3, 2), torch.zeros(3))
 
     class Data(L.LightningDataModule):
-        def predict_dataloader(self):
+        def train_dataloader(self):
             return [batch]
 
     import lightkeep.export.formats as export
@@ -132,4 +137,5 @@ def test_a_forward_of_two_inputs_is_traced_on_a_batchs_first_two_elements(monkey
     monkeypatch.setattr(export, "build", lambda recipe, kind: Data())
     (args, kwargs), said = example_inputs(TwoInputs(), {"data": "x.Data"})
     assert len(args) == 2 and torch.equal(args[0], batch[0][:2]) and torch.equal(args[1], batch[1][:2]), args
-    assert kwargs == {} and "its first 2 elements as forward's 2 inputs" in said
+    assert kwargs == {}
+    assert said == "what training_step gives it on a batch of train_dataloader: forward(Tensor[2, 2], Tensor[2, 2])"

@@ -2,12 +2,12 @@
 
 The module is rebuilt from the run's ``config.yaml``, loaded strictly and exported in eval mode (a sharded checkpoint
 consolidated on this one process first); the four formats and how to load each: docs/export.md. ``onnx`` and ``pt2``
-trace ``forward`` on the module's ``example_input_array``, else on two samples of one batch of the run's data module,
-or of the module's own loaders when the run has none (predict, else val, else train); which inputs of a batch, and
-the line that names them: docs/export.md. A dict batch's entries go in as ``forward``'s parameters, positional where
-they can be (else the whole dict is the one input). ONNX names one tensor input ``input`` and one tensor output
-``output``. A module that cannot be exported raises ``ValueError`` naming the format and the reason; outputs are
-never overwritten.
+trace ``forward`` on the module's ``example_input_array``, else on exactly what the module's own step calls
+``forward`` with (its ``predict_step``, else ``validation_step``, else ``training_step``; Lightning's ``predict_step``
+when it has none) on two samples of one batch of the run's data module, or of the module's own loaders when the run
+has none (the step's own loader first): one tensor, several, keywords, a dict. ONNX names one tensor input ``input``
+and one tensor output ``output``, other inputs by ``forward``'s parameters. A module that cannot be exported raises
+``ValueError`` naming the format and the reason; outputs are never overwritten.
 """
 
 import inspect
@@ -22,53 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightkeep.checkpoint_files import load_checkpoint_file
 from lightkeep.compat_torch import tree_leaves, tree_map, without_compiled_wrappers
-from lightkeep.config import its_arguments
 from lightkeep.errors import root_cause
+from lightkeep.export.recipe import run_config, section_recipe, with_checkpoint_hparams
 from lightkeep.export.weights import build, save_net
 from lightkeep.sharded.folders import full_state_dict
 
 FORMATS = ("safetensors", "onnx", "pt2", "pth")
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
-
-
-def _run_config(ckpt_path: Path, config_path: Path | None = None) -> dict[str, Any]:
-    path = config_path or ckpt_path.resolve().parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt
-    if not path.is_file():
-        where = f"no such file: {path}" if config_path else f"no config.yaml at {path}"
-        raise ValueError(
-            f"{ckpt_path} is not in a run folder's checkpoints/ ({where}), and a config names the model class to "
-            "rebuild: export it where fit saved it (runs/<name>/version_N/checkpoints/), or give --config FILE "
-            "with model: your.Module (a checkpoint of plain Lightning)"
-        )
-    return yaml.safe_load(path.read_text()) or {}
-
-
-def _with_checkpoint_hparams(recipe: dict[str, Any], ckpt_path: Path) -> dict[str, Any]:
-    """The recipe with the arguments of a plain Lightning checkpoint's ``hyper_parameters`` that the class takes
-    and the config does not set: ``save_hyperparameters()`` kept what built the saved network."""
-    if ckpt_path.is_dir():
-        return recipe
-    hparams = load_checkpoint_file(ckpt_path, mmap=True).get("hyper_parameters")
-    if not isinstance(hparams, dict) or "_class_path" in hparams:  # none, or the CLI's (config.yaml has them)
-        return recipe
-    given = {k: v for k, v in its_arguments(recipe["class_path"], hparams).items() if k not in recipe["init_args"]}
-    return {**recipe, "init_args": {**given, **recipe["init_args"]}}
-
-
-def _recipe(section: Any, what: str) -> dict[str, Any]:
-    if isinstance(section, str):  # `model: my.Model`
-        section = {"class_path": section}
-    if not isinstance(section, dict) or "class_path" not in section:
-        raise ValueError(
-            f"the run's config.yaml names no {what} class_path (the config of a LightningCLI of fixed classes, "
-            f"LightningCLI(Net, ...)): give --config FILE with {what}: your.Net, its arguments read from the checkpoint"
-        )
-    return {"class_path": section["class_path"], "init_args": section.get("init_args") or {}}
 
 
 def load_checkpoint_module(
@@ -81,8 +46,8 @@ def load_checkpoint_module(
         raise ValueError(f"{ckpt_path}: no such checkpoint file or folder")
     # first: a file that is no checkpoint is said to be one, wherever it is (a sharded one consolidated here)
     state_dict = full_state_dict(path) if path.is_dir() else load_checkpoint_file(path)["state_dict"]
-    config = _run_config(path, Path(config_path) if config_path is not None else None)
-    recipe = _with_checkpoint_hparams(_recipe(config.get("model"), "model"), path)
+    config = run_config(path, Path(config_path) if config_path is not None else None)
+    recipe = with_checkpoint_hparams(section_recipe(config.get("model"), "model"), path)
     module = build(recipe, LightningModule)
     module.configure_model()  # layers a module builds there, as Lightning does before loading
     try:
@@ -104,8 +69,55 @@ def _two_samples(inputs: Any) -> Any:
     return tree_map(cut, inputs)
 
 
-def _forward_parameters(module: LightningModule) -> dict[str, inspect.Parameter]:
-    return dict(inspect.signature(module.forward).parameters)
+class _Called(Exception):
+    """Raised on forward's first call: the step stops there (its loss, self.log and metrics need a Trainer)."""
+
+
+def _forward_inputs(module: LightningModule, step: str, batch: Any, loader: str) -> Inputs:
+    """What ``forward`` is called with when ``step`` runs on ``batch``, under no_grad (export has the module in eval
+    mode)."""
+    called: list[Inputs] = []
+
+    def record(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        called.append((args, kwargs))
+        raise _Called
+
+    # on the LightningModule itself: a step's self(...) goes through its __call__, and so through this hook
+    hook = module.register_forward_pre_hook(record, with_kwargs=True)
+    why = "never calls forward (self(...))"
+    try:
+        with torch.no_grad():
+            getattr(module, step)(batch, 0)
+    except _Called:
+        pass
+    except Exception as error:  # before forward (or the step's own `except` hid _Called: then `called` holds it)
+        why = f"raised {_reason(error)} before calling forward"
+    finally:
+        hook.remove()
+    if not called:
+        raise ValueError(
+            f"no example input: {step} {why} on a batch of {loader}; set self.example_input_array in the module, "
+            "or give --input_shape"
+        )
+    return called[0]
+
+
+def _shown(inputs: Inputs) -> str:
+    """``forward(Tensor[2, 4], mask=Tensor[2, 5])``: what forward was called with."""
+
+    def what(value: Any) -> str:
+        return f"Tensor{list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+    args, kwargs = inputs
+    return f"forward({', '.join([*map(what, args), *(f'{k}={what(v)}' for k, v in kwargs.items())])})"
+
+
+# each step, with the stage and the loader Lightning runs it on
+STEPS = {
+    "predict_step": ("predict", "predict_dataloader"),
+    "validation_step": ("validate", "val_dataloader"),
+    "training_step": ("fit", "train_dataloader"),
+}
 
 
 def example_inputs(module: LightningModule, config: dict[str, Any]) -> tuple[Inputs, str]:
@@ -117,12 +129,14 @@ def example_inputs(module: LightningModule, config: dict[str, Any]) -> tuple[Inp
         if isinstance(given, tuple | list):
             return (tuple(_two_samples(list(given))), {}), "the module's example_input_array, as positional inputs"
         return ((_two_samples(given),), {}), "the module's example_input_array"
+    # the module's own step knows what its forward takes: predict_step, else validation_step, else training_step;
+    # with none, Lightning's own predict_step (forward on the batch)
+    step = next((s for s in STEPS if is_overridden(s, module)), "predict_step")
     # the run's data module, else the module's own loaders (BoringModel, Lightning's demo transformer: no data module)
     data = config.get("data")
-    source = module if data is None else build(_recipe(data, "data"), LightningDataModule)
+    source = module if data is None else build(section_recipe(data, "data"), LightningDataModule)
     batch, loader, failed, no_file = None, None, [], False
-    loaders = (("predict", "predict_dataloader"), ("validate", "val_dataloader"), ("fit", "train_dataloader"))
-    for stage, loader in loaders:
+    for stage, loader in sorted(STEPS.values(), key=lambda pair: pair != STEPS[step]):  # the step's own loader first
         try:
             source.setup(stage)
             batch = next(iter(getattr(source, loader)()))
@@ -138,24 +152,10 @@ def example_inputs(module: LightningModule, config: dict[str, Any]) -> tuple[Inp
         why = f" ({'; '.join(failed)}{where})" if failed else ""
         raise ValueError(
             f"no example input: the module has no example_input_array and {whose} gave no predict, val or train "
-            f"batch{why}; set self.example_input_array in the module"
+            f"batch{why}; set self.example_input_array in the module, or give --input_shape"
         )
-    batch = _two_samples(batch)
-    if isinstance(batch, Mapping):
-        named = {k: v for k, v in batch.items() if k in _forward_parameters(module)}
-        if named:  # in forward's order, positional where it can: the exported program is called like forward
-            bound = inspect.signature(module.forward).bind(**named)
-            return (bound.args, bound.kwargs), f"a batch of {loader}: its {', '.join(named)}, by forward's names"
-        return ((dict(batch),), {}), f"a batch of {loader}: the dict as the one input"
-    if isinstance(batch, tuple | list):
-        # forward(x) of an (x, y) batch takes its first element; forward(inputs, target) (Lightning's demo
-        # transformer) as many as it has required positional parameters
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        required = [p for p in _forward_parameters(module).values() if p.kind in positional and p.default is p.empty]
-        n = min(max(len(required), 1), len(batch))
-        what = "its first element as the input" if n == 1 else f"its first {n} elements as forward's {n} inputs"
-        return (tuple(batch[:n]), {}), f"a batch of {loader}: {what}"
-    return ((batch,), {}), f"a batch of {loader} as the input"
+    inputs = _forward_inputs(module, step, _two_samples(batch), loader)
+    return inputs, f"what {step} gives it on a batch of {loader}: {_shown(inputs)}"
 
 
 def _reason(error: BaseException) -> str:
@@ -220,13 +220,15 @@ def _export_onnx(module: LightningModule, inputs: Inputs, output: Any, path: Pat
 @contextmanager
 def _quiet_exporters() -> Iterator[None]:
     """For this call only: the ONNX exporter's "torchvision is not installed. Skipping torchvision::nms" (one line
-    per torchvision op it would register) and torch's LeafSpec deprecation warning, advice to their developers."""
+    per torchvision op it would register), its "axis name: batch will not be used" (inputs sharing the batch
+    dimension) and torch's LeafSpec deprecation warning, advice to their developers."""
     registration = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = registration.level
     registration.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
+            warnings.filterwarnings("ignore", message=r".*The axis name: .* will not be used.*")
             yield
     finally:
         registration.setLevel(level)
