@@ -4,6 +4,7 @@ ids kept in ``run.json``.
 """
 
 import csv
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -18,8 +19,10 @@ from lightkeep.runs import RUN_RECORD, RunPlan
 
 
 def default_logger() -> dict[str, Any]:
-    """The run's logger when its config names none (Lightning's default, TensorBoard): the engine's throttled one,
-    its folder set by ``point_loggers_at``."""
+    """The run's logger when its config names none, as Lightning chooses it: TensorBoard (the engine's throttled
+    one) where tensorboard is installed, else a CSV file; its folder set by ``point_loggers_at``."""
+    if importlib.util.find_spec("tensorboard") is None:  # an optional extra: a project may log elsewhere
+        return {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}}
     return {"class_path": "lightkeep.ThrottledTensorBoardLogger",
             "init_args": {"save_dir": "runs", "default_hp_metric": False}}  # fmt: skip
 

@@ -198,3 +198,22 @@ def test_an_appended_tensorboard_or_csv_logger_gets_a_placeholder_save_dir_once_
     placeholder = "--trainer.logger.init_args.save_dir=runs"
     assert filled == [*args[:2], placeholder, *args[2:6], placeholder, *args[6:]]
     assert let_appended_loggers_parse(filled) == filled  # a DDP rank re-runs the filled arguments
+
+
+def test_without_tensorboard_the_default_logger_is_lightnings_csv_and_the_run_trains(tmp_path, monkeypatch, capsys):
+    """tensorboard is an optional extra: with it missing (as in a project that logs elsewhere), a run whose config
+    names no logger logs to a CSV file in its run folder, as Lightning's own default falls back."""
+    import sys
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` fails, find_spec finds nothing
+    with pytest.raises(ImportError):
+        import tensorboard  # noqa: F401  (the precondition)
+    fit = cli_in_process("fit", *QUIET, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
+                         "--trainer.limit_val_batches", "1", root=tmp_path)  # fmt: skip
+    assert type(fit.trainer.logger) is CSVLogger
+    (run,) = (tmp_path / RUN_NAME).glob("version_*")
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
+    assert [r["epoch"] for r in rows if r.get("val/acc")] == ["0"] and fit.trainer.global_step == 3, rows
+    assert "logs: CSVLogger" in capsys.readouterr().out
