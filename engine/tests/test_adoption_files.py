@@ -159,7 +159,12 @@ def weights_at_epoch_3(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("last_every", ["0:10:00", "0:00:00.01"], ids=["default_timer", "timer_every_batch"])
+# the default timer's case is also in make test's test_adopted_project (the same project shape): long here
+@pytest.mark.parametrize(
+    "last_every",
+    [pytest.param("0:10:00", marks=pytest.mark.long), "0:00:00.01"],
+    ids=["default_timer", "timer_every_batch"],
+)
 def test_a_best_file_the_project_names_last_ckpt_is_never_written_by_the_engine(
     tmp_path, weights_at_epoch_3, last_every
 ):
@@ -204,7 +209,11 @@ def hashes(folder: Path) -> dict[Path, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("apply_on", "weights"), [("parse", "best"), ("instantiate", "my_models/points/version_0")])
+# a link applied at parsing is also in make test's test_adopted_project: long here
+@pytest.mark.parametrize(
+    ("apply_on", "weights"),
+    [pytest.param("parse", "best", marks=pytest.mark.long), ("instantiate", "my_models/points/version_0")],
+)
 def test_a_logger_folder_the_project_links_is_the_run_folder_and_no_command_reuses_one(tmp_path, apply_on, weights):
     project = adopters_project(tmp_path, apply_on)
     proc = fit(project, "--trainer.max_epochs", "2", "--data.model_dir", "my_models")
