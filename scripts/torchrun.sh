@@ -16,6 +16,9 @@
 #   node 0:  scripts/torchrun.sh --nnodes 2 --node_rank 0 --rdzv 10.0.0.1:29500 --nproc_per_node 8
 #   node 1:  scripts/torchrun.sh --nnodes 2 --node_rank 1 --rdzv 10.0.0.1:29500 --nproc_per_node 8
 # Static rendezvous (torchrun's default): global ranks follow --node_rank, unlike c10d's first-come order.
+# torchrun runs as `python -m lightkeep.torchrun`: when a rank or a node is lost, each node's output ends in one
+# line naming it, the newest checkpoint and the command below that resumes the job (this one with --ckpt_path last,
+# on every node), not in torchrun's traceback (docs/checkpoints.md, 'Across machines').
 # PYTHON (default python) picks the interpreter.
 set -euo pipefail
 
@@ -36,8 +39,23 @@ if [[ -z $nnodes || -z $node_rank || -z $rdzv || -z $nproc ]]; then
     usage
 fi
 
+# The command that resumes this job on this node: the same, from the newest checkpoint (lightkeep.rank_failures)
+resume=("$0" --nnodes "$nnodes" --node_rank "$node_rank" --rdzv "$rdzv" --nproc_per_node "$nproc")
+skip=0
+for arg in "$@"; do
+    if ((skip)); then skip=0; continue; fi
+    case $arg in
+    --ckpt_path) skip=1 ;;
+    --ckpt_path=*) ;;
+    *) resume+=("$arg") ;;
+    esac
+done
+printf -v PROJECT_RESUME '%q ' "${resume[@]}" --ckpt_path last
+if ((nnodes > 1)); then PROJECT_RESUME+="(on every node, each with its own --node_rank)"; fi
+export PROJECT_RESUME=${PROJECT_RESUME% }
+
 set -x
-exec "${PYTHON:-python}" -m torch.distributed.run \
+exec "${PYTHON:-python}" -m lightkeep.torchrun \
     --nnodes "$nnodes" --node_rank "$node_rank" --nproc_per_node "$nproc" \
     --rdzv_backend static --rdzv_endpoint "$rdzv" \
     -m project fit "$@" --trainer.num_nodes "$nnodes" --trainer.devices "$nproc"

@@ -9,7 +9,8 @@
 #   default launcher  this script restarts `python -m project fit ... --ckpt_path last` after a non-zero exit;
 #                     Lightning starts the processes of one node (--trainer.devices N), each start on a fresh port
 #   --torchrun        torchrun --max-restarts K --rdzv-backend c10d restarts the workers instead (multi-node,
-#                     elastic); --nproc_per_node, --nnodes and --rdzv are passed to it
+#                     elastic); --nproc_per_node, --nnodes and --rdzv are passed to it. It runs as
+#                     `python -m lightkeep.torchrun`: a lost rank or node is said in one line, not a traceback
 #
 # A crash loses at most the steps since the last checkpoint (configs/default.yaml refreshes last.ckpt every
 # 10 minutes of training and at every epoch end). Exit 0 ends the loop, and so does a preempted run (exit 143, it
@@ -39,7 +40,7 @@ PY=${PYTHON:-python}
 
 if [[ $use_torchrun == 1 ]]; then
     set -x
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 exec "$PY" -m torch.distributed.run --nnodes "$nnodes" --nproc_per_node "$nproc" --max-restarts "$restarts" \
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 exec "$PY" -m lightkeep.torchrun --nnodes "$nnodes" --nproc_per_node "$nproc" --max-restarts "$restarts" \
         --rdzv-backend c10d --rdzv-endpoint "$rdzv" \
         -m project fit "$@" --trainer.num_nodes "$nnodes" --trainer.devices "$nproc" --ckpt_path last
 fi

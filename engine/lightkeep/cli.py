@@ -36,6 +36,7 @@ from lightkeep.guarantees import Guarantees
 from lightkeep.guards import StopOnNonFinite
 from lightkeep.hang_watchdog import HangWatchdog
 from lightkeep.judge import CheckMonitored, Judging, ReadsJudge, run_monitor_callbacks, test_best
+from lightkeep.liveness import Liveness
 from lightkeep.loggers import let_appended_loggers_parse
 from lightkeep.module_hooks import ModuleHooksBeforeSaves
 from lightkeep.monitored_values import MonitoredValues
@@ -296,16 +297,19 @@ class CLI(ParsesPlainLightningCheckpoints, LightningCLI):
         readers = [self, resume, *(c for c in callbacks if isinstance(c, ReadsJudge))]
         judging = Judging(monitor, readers, checks)
         judging.hand_over(callbacks)
-        # a dead rank, or a hung one (run.hang_timeout), ends the run in one line; before DestroyProcessGroup
-        failures = RankFailures()
+        # a dead rank, or a hung one (run.hang_timeout), ends the run in one line on every machine (each rank's
+        # progress, seen from every rank: lightkeep.liveness); before DestroyProcessGroup
+        liveness = Liveness()
+        failures = RankFailures(liveness)
         kwargs["callbacks"] = [
             # the values callbacks and plateau schedulers judge by, across a resume; first: its plateau step at the
             # fit's end comes before the end's last.ckpt
             MonitoredValues(),
             judging,  # again at setup, with the module's configure_callbacks
             *(c for c in callbacks if c not in added),
+            liveness,  # before failures: its thread ends at an exception, before the report reads the store
             failures,
-            HangWatchdog(runs.hang_timeout, failures.report),
+            HangWatchdog(runs.hang_timeout, liveness, failures.report),
             loaders,  # the engine's samplers in the user's loaders
             streams,
             FitScheduleToRun(),  # the LR schedule fitted to the run, before the resume compares its rates

@@ -182,3 +182,26 @@ def without_compiled_wrappers(module: torch.nn.Module) -> torch.nn.Module:
             if isinstance(sub, wrapper):
                 setattr(child, attr, sub._orig_mod)
     return module
+
+
+@contextlib.contextmanager
+def exit_barrier_waits(wait: Any) -> Iterator[None]:
+    """Inside it, torchrun's agent (``SimpleElasticAgent._exit_barrier``: once its workers finished, it waits up to
+    300 s for every node's agent) runs that barrier on a thread of its own, which ``wait(thread)`` joins for as long
+    as it chooses; the agent goes on when ``wait`` returns. In a launcher's process (``lightkeep.torchrun``)."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    barrier = getattr(SimpleElasticAgent, "_exit_barrier", None)
+    if not callable(barrier):
+        raise LightningChanged("torch's SimpleElasticAgent._exit_barrier (torchrun's wait for every agent) is gone")
+
+    def exit_barrier(agent: Any) -> None:
+        thread = threading.Thread(target=barrier, args=(agent,), daemon=True, name="exit-barrier")
+        thread.start()
+        wait(thread)
+
+    SimpleElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SimpleElasticAgent._exit_barrier = barrier  # type: ignore[method-assign]

@@ -1517,3 +1517,29 @@ def test_a_spike_detection_loads_its_own_state_with_the_engines_help():
     loaded.load_state_dict(saved.state_dict())
     assert (loaded.last_val, loaded.bad_batches, loaded.warmup) == (0.25, [7], 3)
     assert not hasattr(loaded, "running")  # the name is lent for the call only
+
+
+def test_torchruns_exit_barrier_runs_on_a_thread_the_launcher_waits_for():
+    """``exit_barrier_waits`` (``lightkeep.torchrun``): torchrun's ``SimpleElasticAgent._exit_barrier``, its wait for
+    every node's agent once its workers finished, runs on a thread the caller's ``wait`` joins; as it was after."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    from lightkeep.compat_torch import exit_barrier_waits
+
+    before = SimpleElasticAgent.__dict__["_exit_barrier"]
+    group = SimpleNamespace(state="SUCCEEDED", group_world_size=1)  # one agent: its barrier passes at once
+    agent = SimpleNamespace(_worker_group=group, _store=dist.HashStore(), _exit_barrier_timeout=10,
+                            _in_exit_barrier=False)  # fmt: skip
+    waited: list[bool] = []
+
+    def wait(thread) -> None:
+        thread.join(10)
+        waited.append(thread.is_alive())
+
+    with exit_barrier_waits(wait):
+        SimpleElasticAgent._exit_barrier(agent)  # type: ignore[arg-type]
+    assert waited == [False], "SimpleElasticAgent._exit_barrier did not run on the thread handed to wait"
+    assert SimpleElasticAgent.__dict__["_exit_barrier"] is before
